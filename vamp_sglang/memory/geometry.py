@@ -1,0 +1,114 @@
+"""Per-rank model geometry from a Hugging Face style config dict: expert shard bytes and KV bytes per token.
+
+Why: the expert layout (paper V-A) and the planner need the sizes of one rank's expert shards and KV rows
+before any weight exists (the benchmark prints them for models we cannot load here). Tensor parallelism
+as SGLang does it for MoE without expert parallelism: every rank holds all E experts, each sliced on the
+intermediate dimension; KV heads are split over ranks, and replicated when there are fewer heads than ranks.
+
+Reads Qwen2/Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`, `mlp_only_layers`),
+Qwen3-Next (`full_attention_interval` or `layer_types`: only full-attention layers hold a KV cache) and
+Mixtral (`num_local_experts`, `intermediate_size`) keys. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+
+
+class GeometryError(ValueError):
+    """A config dict the geometry cannot be read from; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """One TP rank's share of an MoE model's experts and KV cache."""
+
+    num_layers: int
+    moe_layer_ids: tuple[int, ...]
+    kv_layer_ids: tuple[int, ...]  # layers that hold a KV cache (all but linear-attention ones)
+    local_experts: int  # E per rank (TP-only: all experts)
+    hidden_size: int
+    moe_intermediate_per_rank: int  # I / tp
+    kv_heads_per_rank: int
+    head_dim: int
+    dtype_bytes: int
+    tp_size: int
+
+    @property
+    def w13_shard_bytes(self) -> int:
+        """One expert's gate+up weight on this rank: [2 * I/tp, H]."""
+        return 2 * self.moe_intermediate_per_rank * self.hidden_size * self.dtype_bytes
+
+    @property
+    def w2_shard_bytes(self) -> int:
+        """One expert's down weight on this rank: [H, I/tp]."""
+        return self.hidden_size * self.moe_intermediate_per_rank * self.dtype_bytes
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """One token's K (or V) in one layer on this rank: heads * head_dim * itemsize."""
+        return self.kv_heads_per_rank * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V over every KV layer on this rank."""
+        return 2 * len(self.kv_layer_ids) * self.kv_row_bytes
+
+    @property
+    def expert_bytes_per_layer(self) -> int:
+        return self.local_experts * (self.w13_shard_bytes + self.w2_shard_bytes)
+
+
+def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str) -> ModelGeometry:
+    """Read a Qwen2/Qwen3-MoE, Qwen3-Next or Mixtral config dict for one rank of `tp_size`."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise GeometryError(f"tp_size must be a positive integer (got {tp_size!r})")
+    if dtype not in DTYPE_BYTES:
+        raise GeometryError(f"dtype must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
+    layers = _int(config, "num_hidden_layers")
+    hidden = _int(config, "hidden_size")
+    if "num_local_experts" in config:  # Mixtral: every layer is MoE, experts use intermediate_size
+        experts, inter = _int(config, "num_local_experts"), _int(config, "intermediate_size")
+        moe_ids = tuple(range(layers))
+    else:
+        experts, inter = _int(config, "num_experts"), _int(config, "moe_intermediate_size")
+        moe_ids = _qwen_moe_layers(config, layers)
+    if inter % tp_size:
+        raise GeometryError(f"moe intermediate size {inter} is not divisible by tp_size {tp_size}")
+    kv_heads = _int(config, "num_key_value_heads")
+    head_dim = int(config.get("head_dim") or hidden // _int(config, "num_attention_heads"))
+    return ModelGeometry(
+        num_layers=layers, moe_layer_ids=moe_ids, kv_layer_ids=_kv_layers(config, layers),
+        local_experts=experts, hidden_size=hidden, moe_intermediate_per_rank=inter // tp_size,
+        kv_heads_per_rank=max(1, kv_heads // tp_size), head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype],
+        tp_size=tp_size)
+
+
+def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """Hugging Face's rule: MoE unless in mlp_only_layers, every decoder_sparse_step-th layer."""
+    step = int(config.get("decoder_sparse_step", 1))
+    mlp_only = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
+def _kv_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """Qwen3-Next keeps KV only in its full-attention layers (every full_attention_interval-th)."""
+    if "layer_types" in config and config["layer_types"]:
+        types = list(config["layer_types"])
+        if len(types) != layers:
+            raise GeometryError(f"layer_types has {len(types)} entries for {layers} layers")
+        return tuple(i for i, kind in enumerate(types) if kind != "linear_attention")
+    interval = config.get("full_attention_interval")
+    if interval:
+        return tuple(i for i in range(layers) if (i + 1) % int(interval) == 0)
+    return tuple(range(layers))
+
+
+def _int(config: Mapping[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or value <= 0:
+        raise GeometryError(f"config key {key!r} must be a positive integer (got {value!r})")
+    return value
