@@ -1,0 +1,86 @@
+"""Bad flags are refused by the launcher within seconds, before SGLang or the model loads."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vamp_sglang import launch_server
+from vamp_sglang.config import ConfigError, VampConfig
+
+MODEL = ["--model-path", "/nonexistent/model"]  # never loaded: validation must fail first
+
+BAD_FLAGS = [
+    (["--vamp-max-offload-ratio", "1.5"], "--vamp-max-offload-ratio"),
+    (["--vamp-max-offload-ratio", "1"], "--vamp-max-offload-ratio"),
+    (["--vamp-max-offload-ratio", "-0.1"], "--vamp-max-offload-ratio"),
+    (["--vamp-max-offload-ratio", "nan"], "--vamp-max-offload-ratio"),
+    (["--vamp-max-offload-ratio", "abc"], "--vamp-max-offload-ratio"),
+    (["--vamp-policy", "random"], "--vamp-policy"),
+    (["--vamp-alpha", "0"], "--vamp-alpha"),
+    (["--vamp-alpha", "1.5"], "--vamp-alpha"),
+    (["--vamp-tau-steps", "0"], "--vamp-tau-steps"),
+    (["--vamp-tau-steps", "2.5"], "--vamp-tau-steps"),
+    (["--vamp-t-prefill-us", "0"], "--vamp-t-prefill-us"),
+    (["--vamp-t-prefill-us", "inf"], "--vamp-t-prefill-us"),
+    (["--vamp-t-sched-us", "-1"], "--vamp-t-sched-us"),
+    (["--vamp-t-queue-us", "-5"], "--vamp-t-queue-us"),
+    (["--vamp-c-reload-ms", "-0.63"], "--vamp-c-reload-ms"),
+    (["--vamp-expand-groups", "0"], "--vamp-expand-groups"),
+    (["--vamp-restore-after-steps", "-1"], "--vamp-restore-after-steps"),
+    (["--vamp-page-backend", "nvme"], "--vamp-page-backend"),
+    (["--vamp-page-backend", "cuda", "--device", "cpu"], "--vamp-page-backend"),
+    (["--vamp-page-backend", "host", "--device", "cuda"], "--vamp-page-backend"),
+    (["--radix-eviction-policy", "vamp"], "--radix-eviction-policy"),
+    (["--radix-cache-backend", "lmcache"], "--radix-cache-backend"),
+    (["--pp-size", "2"], "--pp-size"),
+    (["--ep-size", "2"], "--ep-size"),
+    (["--enable-dp-attention"], "--enable-dp-attention"),
+    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    (["--vamp-decision-log", "/nonexistent-dir/decisions.jsonl"], "--vamp-decision-log"),
+    (["--tp-size", "0"], "--tp-size"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_raise_naming_the_flag(flags, named):
+    with pytest.raises((ConfigError, SystemExit)) as err:
+        launch_server.prepare(MODEL + flags)
+    if err.type is ConfigError:
+        assert named in str(err.value)
+
+
+@pytest.mark.parametrize("flags,named", BAD_FLAGS[:3] + BAD_FLAGS[18:20], ids=lambda v: str(v))
+def test_cli_exits_nonzero_within_seconds(flags, named):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "vamp_sglang.launch_server", *MODEL, *flags],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert named in proc.stderr
+    assert time.monotonic() - start < 30, "validation must not wait for SGLang to import"
+
+
+def test_ratio_zero_is_stock_argv():
+    launch = launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0", "--device", "cuda"])
+    assert not launch.vamp.enabled
+    assert launch.sglang_argv == MODEL + ["--device", "cuda"]
+
+
+def test_vamp_on_selects_our_tree_and_exports_config():
+    launch = launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0.2", "--vamp-alpha", "0.4"])
+    assert launch.sglang_argv[-4:] == ["--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"]
+    import json
+
+    exported = json.loads(launch.env["VAMP_SGLANG_CONFIG"])
+    assert exported["max_offload_ratio"] == 0.2 and exported["alpha"] == 0.4
+    assert launch.env["VAMP_SGLANG_ENABLE"] == "1"
+
+
+def test_defaults_are_the_papers():
+    c = VampConfig()
+    assert (c.alpha, c.tau_steps, c.t_prefill_us, c.t_sched_us, c.t_queue_us, c.c_reload_ms) == (
+        0.5, 2000, 15.0, 500.0, 1000.0, 0.63)
+    assert c.max_offload_ratio == 0.15 and c.expand_groups == 4

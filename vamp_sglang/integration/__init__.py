@@ -1,0 +1,1 @@
+"""Every line of vamp-sglang that imports SGLang lives in this package."""

@@ -1,0 +1,66 @@
+"""`vamp:*` Prometheus series, published from each scheduler process.
+
+SGLang serves `/metrics` in Prometheus multiprocess mode, so any metric created in a scheduler
+process appears there; gauges use `mostrecent` so the newest value wins. Every series is a field of
+the `/vamp/stats` snapshot, so the two views never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# (series name, help, path into the stats snapshot)
+GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("vamp:step", "Scheduler steps (launched batches)", ("step",)),
+    ("vamp:kv_pool_tokens", "KV pool size in tokens, grown by offloading experts", ("kv_pool", "tokens")),
+    ("vamp:kv_pool_baseline_tokens", "KV pool size at start-up", ("kv_pool", "baseline_tokens")),
+    ("vamp:kv_pool_free_tokens", "Free KV slots", ("kv_pool", "free_tokens")),
+    ("vamp:radix_cached_tokens", "Tokens held by the radix cache", ("radix", "cached_tokens")),
+    ("vamp:radix_evictable_tokens", "Radix-cache tokens that may be evicted", ("radix", "evictable_tokens")),
+    ("vamp:radix_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", ("radix", "hit_rate")),
+    ("vamp:expert_offload_ratio", "Fraction of eligible experts now offloaded", ("experts", "offload_ratio")),
+    ("vamp:reclaimed_bytes", "Expert bytes now serving as KV memory", ("experts", "reclaimed_bytes")),
+    ("vamp:staging_wait_seconds_total", "Time MoE layers waited for staged experts", ("staging", "wait_s")),
+    ("vamp:staged_bytes_total", "Bytes copied into the staging buffers", ("staging", "bytes")),
+    ("vamp:remap_seconds_total", "Time spent remapping pages", ("experts", "remap_s")),
+    ("vamp:preemptions_avoided_total", "Decode shortfalls covered without preemption", ("preemptions_avoided",)),
+]
+
+
+def _lookup(stats: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = stats
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+class VampMetrics:
+    """The series for one scheduler process, labelled with its TP rank."""
+
+    def __init__(self, tp_rank: int) -> None:
+        from prometheus_client import Counter, Gauge  # lazy: needs PROMETHEUS_MULTIPROC_DIR set first
+
+        labels = {"tp_rank": str(tp_rank)}
+        self._gauges = [
+            (Gauge(name, doc, labelnames=list(labels), multiprocess_mode="mostrecent").labels(**labels), path)
+            for name, doc, path in GAUGES
+        ]
+        self._decisions = Counter(
+            "vamp:decisions", "VAMP decisions at KV shortfalls, by action", labelnames=["tp_rank", "action"]
+        )
+        self._labels = labels
+        self._published: dict[str, int] = {}
+
+    def publish(self, stats: Mapping[str, Any]) -> None:
+        for gauge, path in self._gauges:
+            value = _lookup(stats, path)
+            if value is not None:
+                gauge.set(value)
+        for action, count in stats.get("decisions", {}).items():
+            delta = count - self._published.get(action, 0)
+            if delta > 0:
+                self._decisions.labels(action=action, **self._labels).inc(delta)
+                self._published[action] = count

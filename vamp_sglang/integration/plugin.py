@@ -1,0 +1,47 @@
+"""The `sglang.srt.plugins` entry point: SGLang calls `register()` in every process it starts.
+
+Installing vamp-sglang must not change a plain `python -m sglang.launch_server`, so `register()`
+does nothing unless our launcher exported VAMP's settings. When it did, each process takes only the
+part it needs: scheduler processes (which have imported SGLang's scheduler module by the time
+plugins load) get the scheduler hooks, the HTTP process gets the `/vamp/stats` route, and the
+detokenizer gets nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from vamp_sglang.config import plugin_enabled
+from vamp_sglang.integration.hooks import Hook, register_all, verify_applied
+
+_SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_HTTP_MODULE = "sglang.srt.entrypoints.http_server"
+
+
+def all_hooks() -> list[Hook]:
+    """Every hook we place in SGLang (the table patches/README.md mirrors)."""
+    from vamp_sglang.integration import runtime
+
+    return [*runtime.HOOKS]
+
+
+def scheduler_setups() -> list[Callable[[Any, Any], None]]:
+    """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
+    return []
+
+
+def verify_hooks() -> None:
+    verify_applied(all_hooks())
+
+
+def register() -> None:
+    if not plugin_enabled():
+        return
+    if _SCHEDULER_MODULE in sys.modules:
+        register_all(all_hooks())
+    if _HTTP_MODULE in sys.modules:
+        from vamp_sglang.integration import stats_route
+
+        stats_route.install()

@@ -1,0 +1,184 @@
+"""`python -m vamp_sglang.launch_server [sglang flags] [--vamp-* flags]`: SGLang's server with VAMP.
+
+A drop-in for `python -m sglang.launch_server`. Every bad `--vamp-*` value or flag combination is
+refused here, in about a second, before SGLang (a 10 s import) or the model is loaded. The
+validated settings then travel to every process SGLang spawns through the environment, where our
+plugin (entry point `sglang.srt.plugins`) reads them; without this launcher the plugin stays inert.
+With `--device cpu` the launcher also prepares SGLang's CPU mode (see `vamp_sglang.cpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+from vamp_sglang import config
+from vamp_sglang.config import ConfigError, VampConfig
+
+PROG = "python -m vamp_sglang.launch_server"
+
+# SGLang features whose memory or expert layout VAMP does not handle yet: refused when VAMP is on.
+_UNSUPPORTED_WITH_VAMP = {
+    "enable_dp_attention": "--enable-dp-attention",
+    "enable_paged_experts": "--enable-paged-experts",
+    "enable_hierarchical_cache": "--enable-hierarchical-cache",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher hands to SGLang: our config, SGLang's argv, and the env to export."""
+
+    vamp: VampConfig
+    sglang_argv: list[str]
+    env: dict[str, str]
+    device: str
+    tp_size: int
+
+
+def _sglang_view(argv: list[str]) -> argparse.Namespace:
+    """The few SGLang flags our checks depend on, read without importing SGLang."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--device", default=None)
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--pp-size", "--pp", dest="pp_size", type=int, default=1)
+    p.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1)
+    p.add_argument("--dwdp-size", type=int, default=1)
+    p.add_argument("--radix-cache-backend", default=None)
+    p.add_argument("--radix-eviction-policy", default=None)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
+        p.add_argument(flag, dest=dest, action="store_true")
+    return p.parse_known_args(argv)[0]
+
+
+def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
+    """Refuse flag combinations VAMP cannot serve, naming the flags."""
+    device = sg.device or "cuda"
+    if vamp.page_backend == "cuda" and device != "cuda":
+        raise ConfigError(f"--vamp-page-backend cuda needs --device cuda (got --device {device})")
+    if vamp.page_backend == "host" and device == "cuda":
+        raise ConfigError("--vamp-page-backend host is for --device cpu; use cuda or auto on a GPU")
+    if sg.radix_eviction_policy == "vamp" and sg.radix_cache_backend != "vamp":
+        raise ConfigError("--radix-eviction-policy vamp needs --radix-cache-backend vamp")
+    if vamp.decision_log is not None:
+        parent = os.path.dirname(os.path.abspath(vamp.decision_log))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
+    if not vamp.enabled:
+        return
+    if sg.radix_cache_backend not in (None, "vamp") and not sg.disable_radix_cache:
+        raise ConfigError(
+            f"--vamp-max-offload-ratio > 0 needs our radix tree for its cost estimates; "
+            f"drop --radix-cache-backend {sg.radix_cache_backend} or set --vamp-max-offload-ratio 0"
+        )
+    for name, flag in [("pp_size", "--pp-size"), ("ep_size", "--ep-size"), ("dwdp_size", "--dwdp-size")]:
+        if getattr(sg, name) != 1:
+            raise ConfigError(f"{flag} > 1 is not supported with --vamp-max-offload-ratio > 0")
+    for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
+        if getattr(sg, dest):
+            raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0")
+
+
+def _with_vamp_tree(vamp: VampConfig, sg: argparse.Namespace, argv: list[str]) -> list[str]:
+    """VAMP's planner reads eviction costs from our radix tree, so VAMP on means our tree."""
+    if not vamp.enabled or sg.disable_radix_cache or sg.radix_cache_backend == "vamp":
+        return argv
+    return argv + ["--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"]
+
+
+def _with_defaults(argv: list[str], defaults: list[str]) -> list[str]:
+    """Append each default flag (with its values) unless the user already gave that flag."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    out, keep = list(argv), False
+    for token in defaults:
+        if token.startswith("--"):
+            keep = token not in given
+        if keep:
+            out.append(token)
+    return out
+
+
+def prepare(argv: list[str]) -> Launch:
+    """Parse and validate everything; no SGLang import, no side effects."""
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    config.add_cli_args(parser)
+    ns, rest = parser.parse_known_args(argv)
+    vamp = config.from_cli_args(ns)
+    sg = _sglang_view(rest)
+    if sg.tp_size < 1:
+        raise ConfigError(f"--tp-size must be >= 1 (got {sg.tp_size})")
+    check_combinations(vamp, sg)
+    sglang_argv = _with_vamp_tree(vamp, sg, rest)
+    env = vamp.to_env()
+    device = sg.device or "cuda"
+    if device == "cpu":
+        from vamp_sglang import cpu
+
+        env.update(cpu.cpu_environment(sg.tp_size))
+        sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults())
+    return Launch(vamp, sglang_argv, env, device, sg.tp_size)
+
+
+def _print_help() -> None:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+    config.add_cli_args(parser)
+    print(f"usage: {PROG} [every sglang.launch_server flag] [--vamp-* flags]\n")
+    print(parser.format_help())
+    print("SGLang's own flags follow.\n", flush=True)
+
+
+def _export(launch: Launch) -> None:
+    """Apply the environment here; SGLang's spawned processes inherit it."""
+    os.environ.update(launch.env)
+    control_dir = _make_private_dir()
+    os.environ[config.ENV_CONTROL_DIR] = control_dir
+    atexit.register(shutil.rmtree, control_dir, True)
+    for path in reversed(launch.env.get("PYTHONPATH", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def _make_private_dir() -> str:
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="vamp-ctl-")
+    os.chmod(path, 0o700)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        _print_help()
+        argv = ["--help"]
+    else:
+        try:
+            launch = prepare(argv)
+        except ConfigError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        _export(launch)
+        argv = launch.sglang_argv
+
+    # Heavy imports only after validation, and after the environment is in place.
+    from sglang.launch_server import run_server
+    from sglang.srt.entrypoints import http_server  # noqa: F401  (the plugin adds /vamp/stats to its app)
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()
