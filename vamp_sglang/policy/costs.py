@@ -1,0 +1,180 @@
+"""The three-way cost model of paper section IV-B, one function per equation, in seconds.
+
+Equation numbers follow the paper's own references in section V: Eq. 1 is the reuse estimate
+p_eff, Eq. 2 the cached-block eviction cost C_c, Eq. 3 the expert-offload cost C_e, Eqs. 4/5 the
+preemption cost C_p^(1) and C_p, Eq. 6 the combined cost C_b. Every value is an action-comparison
+weight, not a measured time (section V), so the functions stay pure arithmetic: no torch, no SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from vamp_sglang.config import VampConfig
+
+_US_PER_S = 1e6
+_MS_PER_S = 1e3
+MAX_DECODE_HORIZON_STEPS = 64  # upper clamp of w in Eq. 3 (section V)
+
+# VampConfig field -> (Coefficients field, config units per second); divide to get seconds
+_CONFIG_FIELDS: dict[str, tuple[str, float]] = {
+    "alpha": ("alpha", 1.0),
+    "tau_steps": ("tau_steps", 1.0),
+    "t_prefill_us": ("t_prefill_s", _US_PER_S),
+    "t_sched_us": ("t_sched_s", _US_PER_S),
+    "t_queue_us": ("t_queue_s", _US_PER_S),
+    "c_reload_ms": ("c_reload_s", _MS_PER_S),
+    "expand_groups": ("expand_groups", 1.0),
+}
+COEFFICIENT_NAMES = tuple(_CONFIG_FIELDS)  # the override keys a snapshot may carry
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The configured weights of section V, converted to seconds once so the equations stay unit-free."""
+
+    alpha: float = 0.5
+    tau_steps: float = 2000.0
+    t_prefill_s: float = 15 / _US_PER_S
+    t_sched_s: float = 500 / _US_PER_S
+    t_queue_s: float = 1000 / _US_PER_S
+    c_reload_s: float = 0.63 / _MS_PER_S
+    expand_groups: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Coefficients.{f.name} must be a finite number (got {value!r})")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"Coefficients.alpha must be in (0, 1] (got {self.alpha!r})")
+        if self.tau_steps <= 0 or self.t_prefill_s <= 0:
+            raise ValueError("Coefficients.tau_steps and t_prefill_s must be positive")
+        if min(self.t_sched_s, self.t_queue_s, self.c_reload_s) < 0:
+            raise ValueError("Coefficients.t_sched_s, t_queue_s and c_reload_s must be >= 0")
+        if not isinstance(self.expand_groups, int) or self.expand_groups < 1:
+            raise ValueError(f"Coefficients.expand_groups must be an integer >= 1 (got {self.expand_groups!r})")
+
+    @classmethod
+    def from_config(cls, cfg: VampConfig) -> Coefficients:
+        return cls(**{name: getattr(cfg, key) / per_s for key, (name, per_s) in _CONFIG_FIELDS.items()
+                      if name != "expand_groups"}, expand_groups=cfg.expand_groups)
+
+    def as_overrides(self) -> dict[str, float | int]:
+        """These coefficients keyed by VampConfig field name and unit: what a decision log records."""
+        return {key: getattr(self, name) if name == "expand_groups" else getattr(self, name) * per_s
+                for key, (name, per_s) in _CONFIG_FIELDS.items()}
+
+    def with_overrides(self, overrides: Mapping[str, float | int]) -> Coefficients:
+        """Replace coefficients by VampConfig field name; validated by VampConfig, whose errors name the flag."""
+        unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown coefficient {unknown[0]!r}; expected one of {', '.join(COEFFICIENT_NAMES)}")
+        values = {**self.as_overrides(), **overrides}
+        cfg = dataclasses.replace(VampConfig(), **values).validate()
+        return Coefficients.from_config(cfg)
+
+
+def reuse_probability(hits: int, age_steps: float, observed_hit_rate: float, c: Coefficients) -> float:
+    """Eq. 1: p_eff = alpha * r_hit / (1 + age / tau).
+
+    The paper leaves r_hit loosely defined ("observed prefix reuse"). We estimate it per radix-tree
+    node, as the design asks, because one workload mixes prefixes that are reused every turn (a
+    session's history) with prefixes that never come back (one-shot prompts); a single global rate
+    would price both the same and evict them in recency order, which is what stock LRU already does.
+    r_hit = (hits + observed_hit_rate) / (hits + 1): a node never hit starts at the workload's
+    observed hit rate (the prior, weight one request), and each admitted request that reused the
+    node pulls its estimate towards 1. It never exceeds 1 and never falls below the prior.
+    """
+    if hits < 0 or age_steps < 0 or not 0.0 <= observed_hit_rate <= 1.0:
+        raise ValueError(f"reuse_probability needs hits >= 0, age_steps >= 0 and a hit rate in [0, 1] "
+                         f"(got {hits!r}, {age_steps!r}, {observed_hit_rate!r})")
+    r_hit = (hits + observed_hit_rate) / (hits + 1)
+    return c.alpha * r_hit / (1.0 + age_steps / c.tau_steps)
+
+
+def cached_block_cost_s(tokens: int, hits: int, age_steps: float, observed_hit_rate: float,
+                        c: Coefficients) -> float:
+    """Eq. 2: C_c = p_eff * (n_tok * t_prefill + t_overhead).
+
+    t_overhead is t_sched for us: a reused prefix that was evicted costs its re-prefill plus one
+    extra scheduling round, the same per-event overhead Eq. 4 charges a preemption.
+    """
+    if tokens < 0:
+        raise ValueError(f"cached_block_cost_s needs tokens >= 0 (got {tokens!r})")
+    p_eff = reuse_probability(hits, age_steps, observed_hit_rate, c)
+    return p_eff * (tokens * c.t_prefill_s + c.t_sched_s)
+
+
+def offload_cost_s(n_groups: int, shards_per_group: int, local_experts: int, top_k: int,
+                   decode_budget_min: int, c: Coefficients) -> float:
+    """Eq. 3: C_e(n_cand) = min(n_cand, E) * c_eff * w.
+
+    n_cand = shards_per_group * n_groups (shard-equivalents), E = rank-local expert shards per
+    layer, c_eff = c_reload * k / E, and w = the smallest remaining decode budget among running
+    requests clamped to 1..64 steps: the horizon over which the staging cost is paid before the
+    pool could shrink back.
+    """
+    if min(n_groups, shards_per_group) < 0 or local_experts < 1 or top_k < 1:
+        raise ValueError(f"offload_cost_s needs n_groups, shards_per_group >= 0 and local_experts, top_k >= 1 "
+                         f"(got {n_groups!r}, {shards_per_group!r}, {local_experts!r}, {top_k!r})")
+    n_cand = n_groups * shards_per_group
+    c_eff_s = c.c_reload_s * top_k / local_experts
+    w_steps = min(max(decode_budget_min, 1), MAX_DECODE_HORIZON_STEPS)
+    return min(n_cand, local_experts) * c_eff_s * w_steps
+
+
+def preempt_cost_s(partial_tokens_per_victim: Sequence[int], c: Coefficients) -> float:
+    """Eqs. 4 and 5: C_p^(1) = t_sched + t_queue + n_partial * t_prefill, C_p = C_p^(1) * G.
+
+    G, which the paper leaves open, is for us the number of victims SGLang must retract to cover
+    the gap; each victim has its own n_partial (the tokens it must re-prefill on return), so C_p is
+    the sum of the victims' C_p^(1), which equals C_p^(1) * G when their n_partial agree.
+    """
+    if any(n < 0 for n in partial_tokens_per_victim):
+        raise ValueError(f"preempt_cost_s needs partial tokens >= 0 (got {list(partial_tokens_per_victim)!r})")
+    return sum(c.t_sched_s + c.t_queue_s + n * c.t_prefill_s for n in partial_tokens_per_victim)
+
+
+def combined_cost_s(offload_floor_cost_s: float, evict_remainder_cost_s: float) -> float:
+    """Eq. 6: C_b = C_e^floor + C_c^remainder.
+
+    The floor is the largest allowed offload (expand steps, capped at the headroom) that stays
+    below the gap; the remainder is evicted cheapest-C_c first. The planner picks both; this is the sum.
+    """
+    return offload_floor_cost_s + evict_remainder_cost_s
+
+
+class QueueDelayEstimator:
+    """t_queue of Eq. 4: starts at the configured value (1,000 us) and follows observed delays.
+
+    Section V updates t_queue "when a preemption-to-rescheduling delay is observed"; an
+    exponential moving average keeps one slow reschedule from dominating the next decisions.
+    """
+
+    EMA_WEIGHT = 0.2  # weight of the newest observation
+
+    def __init__(self, initial_s: float) -> None:
+        if not (math.isfinite(initial_s) and initial_s >= 0):
+            raise ValueError(f"QueueDelayEstimator needs a finite initial delay >= 0 (got {initial_s!r})")
+        self._value_s = initial_s
+        self.observations = 0
+
+    @property
+    def value_s(self) -> float:
+        return self._value_s
+
+    def observe(self, delay_s: float) -> float:
+        """Fold in one preemption-to-reschedule delay (seconds); returns the new estimate."""
+        if not (math.isfinite(delay_s) and delay_s >= 0):
+            raise ValueError(f"an observed queue delay must be finite and >= 0 seconds (got {delay_s!r})")
+        self._value_s += self.EMA_WEIGHT * (delay_s - self._value_s)
+        self.observations += 1
+        return self._value_s
+
+    def apply(self, c: Coefficients) -> Coefficients:
+        """The coefficients with t_queue replaced by the current estimate."""
+        return dataclasses.replace(c, t_queue_s=self._value_s)

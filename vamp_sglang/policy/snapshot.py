@@ -1,0 +1,185 @@
+"""The state at an allocation gap, as the planner sees it and as the decision log records it.
+
+One JSON shape serves three readers: the integration builds it at SGLang's shortfall funnel, the
+planner decides from it, and `python -m vamp_sglang.policy explain` replays it from a log line.
+Validation lives in `Snapshot.__post_init__`, so a snapshot built in code is held to the same
+rules as one parsed from a file, and every error names the offending field by its JSON path.
+
+    {"site": "prefill" | "decode", "gap_tokens": int,
+     "evictable": [{"tokens": int, "hits": int, "age_steps": int}, ...],
+     "offload": {"headroom_groups": int, "tokens_per_group": int, "shards_per_group": int,
+                 "local_experts": int, "top_k": int, "decode_budget_min": int},
+     "preempt": [{"partial_tokens": int, "tokens": int}, ...],
+     "observed_hit_rate": float,
+     "coefficients": {VampConfig field name: value, ...}}      # optional overrides
+
+`evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
+tokens); the planner sorts them by C_c itself and does not rely on their order. `preempt` lists
+running requests in the order SGLang's `retract_decode` would retract them; `tokens` is what
+retracting one gives back to the pool, `partial_tokens` what it must re-prefill when it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vamp_sglang.policy.costs import COEFFICIENT_NAMES, Coefficients
+
+SITES = ("prefill", "decode")
+
+
+class SnapshotError(ValueError):
+    """A snapshot that breaks the format; the message names the field by its JSON path."""
+
+
+@dataclass(frozen=True)
+class EvictableBlock:
+    tokens: int
+    hits: int  # admitted requests that reused this node
+    age_steps: int  # scheduler steps since its last use
+
+
+@dataclass(frozen=True)
+class OffloadState:
+    headroom_groups: int  # expert groups that may still be offloaded on every rank
+    tokens_per_group: int  # KV tokens one offloaded group adds to the pool
+    shards_per_group: int  # g of Eq. 3
+    local_experts: int  # E of Eq. 3: rank-local expert shards per layer
+    top_k: int  # k of Eq. 3
+    decode_budget_min: int  # smallest remaining decode budget among running requests (w before clamping)
+
+
+@dataclass(frozen=True)
+class PreemptCandidate:
+    partial_tokens: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    site: str
+    gap_tokens: int  # tokens short of the allocation; <= 0 means nothing to do
+    evictable: tuple[EvictableBlock, ...]
+    offload: OffloadState
+    preempt: tuple[PreemptCandidate, ...]
+    observed_hit_rate: float
+    coefficients: Mapping[str, float | int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "evictable", tuple(self.evictable))
+        object.__setattr__(self, "preempt", tuple(self.preempt))
+        _validate(self)
+
+    def coefficients_over(self, base: Coefficients) -> Coefficients:
+        """`base` with this snapshot's overrides applied, so a logged snapshot replays to the same plan."""
+        return base.with_overrides(self.coefficients) if self.coefficients else base
+
+    @classmethod
+    def from_json(cls, d: Any) -> Snapshot:
+        top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients",))
+        offload = _fields(top["offload"], "snapshot.offload", _names(OffloadState))
+        return cls(
+            site=top["site"],
+            gap_tokens=top["gap_tokens"],
+            evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)))
+                            for i, e in enumerate(_list(top["evictable"], "snapshot.evictable"))),
+            offload=OffloadState(**offload),
+            preempt=tuple(PreemptCandidate(**_fields(p, f"snapshot.preempt[{i}]", _names(PreemptCandidate)))
+                          for i, p in enumerate(_list(top["preempt"], "snapshot.preempt"))),
+            observed_hit_rate=top["observed_hit_rate"],
+            coefficients=dict(_fields(top.get("coefficients", {}), "snapshot.coefficients", (),
+                                      optional=COEFFICIENT_NAMES)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"site": self.site, "gap_tokens": self.gap_tokens,
+             "evictable": [dataclasses.asdict(e) for e in self.evictable],
+             "offload": dataclasses.asdict(self.offload),
+             "preempt": [dataclasses.asdict(p) for p in self.preempt],
+             "observed_hit_rate": self.observed_hit_rate}
+        if self.coefficients:
+            d["coefficients"] = dict(self.coefficients)
+        return d
+
+
+_TOP_FIELDS = ("site", "gap_tokens", "evictable", "offload", "preempt", "observed_hit_rate")
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _fields(d: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise SnapshotError(f"{path} must be a JSON object (got {type(d).__name__})")
+    unknown = sorted(set(d) - set(required) - set(optional))
+    if unknown:
+        raise SnapshotError(f"{path} has unknown field {unknown[0]!r}")
+    missing = [name for name in required if name not in d]
+    if missing:
+        raise SnapshotError(f"{path}.{missing[0]} is missing")
+    return d
+
+
+def _list(v: Any, path: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise SnapshotError(f"{path} must be a JSON list (got {type(v).__name__})")
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _int(v: Any, path: str, minimum: int | None) -> None:
+    kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}[minimum]
+    if not _is_int(v) or (minimum is not None and v < minimum):
+        raise SnapshotError(f"{path} must be {kind} (got {v!r})")
+
+
+def _validate(s: Snapshot) -> None:
+    if s.site not in SITES:
+        raise SnapshotError(f"snapshot.site must be 'prefill' or 'decode' (got {s.site!r})")
+    _int(s.gap_tokens, "snapshot.gap_tokens", None)
+    for i, e in enumerate(s.evictable):
+        _int(e.tokens, f"snapshot.evictable[{i}].tokens", 1)
+        _int(e.hits, f"snapshot.evictable[{i}].hits", 0)
+        _int(e.age_steps, f"snapshot.evictable[{i}].age_steps", 0)
+    o = s.offload
+    _int(o.headroom_groups, "snapshot.offload.headroom_groups", 0)
+    for name in ("tokens_per_group", "shards_per_group"):
+        # Without headroom the layout may be absent (offload off), so 0 is allowed there.
+        _int(getattr(o, name), f"snapshot.offload.{name}", 1 if o.headroom_groups > 0 else 0)
+    _int(o.local_experts, "snapshot.offload.local_experts", 1)
+    _int(o.top_k, "snapshot.offload.top_k", 1)
+    _int(o.decode_budget_min, "snapshot.offload.decode_budget_min", 0)
+    for i, p in enumerate(s.preempt):
+        _int(p.partial_tokens, f"snapshot.preempt[{i}].partial_tokens", 0)
+        _int(p.tokens, f"snapshot.preempt[{i}].tokens", 0)
+    if not (_is_number(s.observed_hit_rate) and 0.0 <= s.observed_hit_rate <= 1.0):
+        raise SnapshotError(f"snapshot.observed_hit_rate must be a number in [0, 1] (got {s.observed_hit_rate!r})")
+    _validate_coefficients(s.coefficients)
+
+
+def _validate_coefficients(overrides: Mapping[str, Any]) -> None:
+    for name, value in overrides.items():
+        path = f"snapshot.coefficients.{name}"
+        if name not in COEFFICIENT_NAMES:
+            raise SnapshotError(f"snapshot.coefficients has unknown field {name!r}; "
+                                f"expected one of {', '.join(COEFFICIENT_NAMES)}")
+        if name == "expand_groups":
+            _int(value, path, 1)
+        elif not _is_number(value):
+            raise SnapshotError(f"{path} must be a finite number (got {value!r})")
+    try:
+        Coefficients().with_overrides(overrides)
+    except ValueError as e:
+        raise SnapshotError(f"snapshot.coefficients: {e}") from None
