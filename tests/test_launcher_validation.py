@@ -40,6 +40,8 @@ BAD_FLAGS = [
     (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     (["--vamp-decision-log", "/nonexistent-dir/decisions.jsonl"], "--vamp-decision-log"),
     (["--tp-size", "0"], "--tp-size"),
+    (["--vamp-initial-offload-ratio", "0.2"], "--vamp-initial-offload-ratio"),
+    (["--vamp-initial-offload-ratio", "-0.1"], "--vamp-initial-offload-ratio"),
 ]
 
 

@@ -41,6 +41,7 @@ class VampConfig:
     expand_groups: int = 4  # offload in steps of this many groups (section V-A)
     restore_after_steps: int = 2000  # restore experts after this many low-pressure steps; 0 = never
     page_backend: str = "auto"  # auto, cuda (driver VMM) or host (memfd pages)
+    initial_offload_ratio: float = 0.0  # offload this fraction at start-up (benchmarks, output checks)
     calibrate: bool = True  # measure t_prefill and staging cost online instead of fixed values
     decision_log: str | None = None  # JSONL file that every decision is appended to
 
@@ -61,13 +62,16 @@ class VampConfig:
             (self.c_reload_ms >= 0, "--vamp-c-reload-ms must be >= 0"),
             (self.expand_groups >= 1, "--vamp-expand-groups must be >= 1"),
             (self.restore_after_steps >= 0, "--vamp-restore-after-steps must be >= 0"),
+            (0.0 <= self.initial_offload_ratio <= self.max_offload_ratio,
+             "--vamp-initial-offload-ratio must be in [0, --vamp-max-offload-ratio]"),
             (self.page_backend in PAGE_BACKENDS,
              f"--vamp-page-backend must be one of {', '.join(PAGE_BACKENDS)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"{message} (got {self._value_for(message)!r})")
-        for name in ("alpha", "t_prefill_us", "t_sched_us", "t_queue_us", "c_reload_ms", "max_offload_ratio"):
+        for name in ("alpha", "t_prefill_us", "t_sched_us", "t_queue_us", "c_reload_ms", "max_offload_ratio",
+                     "initial_offload_ratio"):
             value = getattr(self, name)
             if value != value or value in (float("inf"), float("-inf")):
                 raise ConfigError(f"--vamp-{name.replace('_', '-')} must be a finite number (got {value!r})")

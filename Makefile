@@ -1,0 +1,48 @@
+# vamp-sglang: every command a newcomer needs. `make demo` runs the main job, `make test` the tests.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= models/tiny-qwen3-moe
+PORT ?= 30000
+MAX_TOTAL_TOKENS ?= 8192
+VAMP_FLAGS ?=
+
+.PHONY: install test test-fast test-server lint serve-cpu demo model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -e '.[test,eval,dev]'
+	touch $(STAMP)
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not server"
+
+test-server: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m server
+
+lint: install
+	$(VENV)/bin/ruff check vamp_sglang eval tests
+
+model: install
+	$(PY) -m vamp_sglang.tiny_moe $(MODEL)
+
+serve-cpu: model
+	OMP_NUM_THREADS=1 $(PY) -m vamp_sglang.launch_server --model-path $(MODEL) --device cpu \
+		--host 127.0.0.1 --port $(PORT) --max-total-tokens $(MAX_TOTAL_TOKENS) --enable-metrics \
+		--enable-cache-report $(VAMP_FLAGS)
+
+demo: model
+	OMP_NUM_THREADS=1 $(PY) -m eval.demo --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
+
+-include eval/eval.mk
