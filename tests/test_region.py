@@ -52,6 +52,14 @@ def test_growth_is_visible_through_the_existing_tensor_object(backend):
     assert holders[0].shape == (4, WORDS)
 
 
+def test_regrow_from_an_empty_view(backend):
+    kv = PagedRegion(backend, 4 * GRAN)
+    t = kv.view(torch.int32, (0, WORDS))  # a pool that starts with no pages
+    tagged_pages(backend, kv, 2, 4)
+    kv.regrow(t, (2, WORDS))
+    assert t[:, 0].tolist() == [4, 5]
+
+
 def test_regrow_refuses_a_foreign_tensor_or_a_shape_past_the_reservation(backend):
     kv = PagedRegion(backend, 2 * GRAN)
     tagged_pages(backend, kv, 1, 0)

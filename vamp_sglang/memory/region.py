@@ -80,9 +80,9 @@ class PagedRegion:
     def regrow(self, tensor: torch.Tensor, new_shape: Sequence[int]) -> None:
         """Re-point `tensor` (a view starting at this region's base) at `new_shape`, in place."""
         self._check_open()
-        if tensor.data_ptr() != self.base:
-            raise VmmRuleError(f"regrow: tensor starts at {tensor.data_ptr():#x}, not at the region base "
-                               f"{self.base:#x}")
+        start = tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+        if start != self.base:  # tensor.data_ptr() reads 0 for an empty tensor, its storage does not
+            raise VmmRuleError(f"regrow: tensor starts at {start:#x}, not at the region base {self.base:#x}")
         fresh = self.view(tensor.dtype, new_shape)
         tensor.set_(fresh.untyped_storage(), 0, fresh.shape)
 
