@@ -1,0 +1,248 @@
+"""One MoE layer's expert weights rebuilt over reserved virtual ranges, so their tail pages can leave.
+
+Paper IV-C: offloading unmaps the physical pages behind a layer's highest-index expert groups and hands
+them to the KV pool, while the expert tensor's virtual range stays reserved, so resident experts keep
+their addresses. Paper V-B: the offloaded experts are then read from a staging buffer, filled from a
+host copy made once at start.
+
+Design chosen (aliasing): the offloaded virtual range is not left empty. Each offloaded page is mapped
+onto the matching page of this layer's staging slot (slot = eligible-layer parity), so the tensor
+`w13[E, 2I, H]` / `w2[E, H, I]` keeps ONE fixed address for every expert: resident experts read their
+own pages, offloaded experts read the staging pages, and the MoE kernel (or a captured CUDA graph) runs
+unchanged. Staging slot page s backs region page (pages - bound_pages + s) in every layer of that
+parity, so the index arithmetic of a slot and of the host copy is the same.
+
+Groups are counted from the top (layout.py), so a region may start with a pad: the tensor begins at
+`base + pad_bytes` and its end is page aligned. No SGLang import: the glue passes plain tensors and
+assigns `store.w13` / `store.w2` to the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
+from vamp_sglang.memory.journal import Journal, atomic
+from vamp_sglang.memory.layout import ExpertLayout, LayoutError
+from vamp_sglang.memory.region import bytes_checksum
+
+
+class PagedWeight:
+    """One expert weight `[E, *shard_shape]` over a reservation, one page per handle."""
+
+    def __init__(self, backend: PageBackend, original: torch.Tensor, group_pages: int, bound_groups: int,
+                 alias_pages: Sequence[PageHandle]) -> None:
+        gran = backend.granularity_bytes
+        experts = original.shape[0]
+        self.backend = backend
+        self.shard_bytes = original[0].numel() * original.element_size()
+        self.pages = -(-experts * self.shard_bytes // gran)
+        self.pad_bytes = self.pages * gran - experts * self.shard_bytes
+        self.group_pages = group_pages
+        self.bound_pages = bound_groups * group_pages
+        if len(alias_pages) != self.bound_pages:
+            raise LayoutError(f"alias_pages has {len(alias_pages)} pages, the offloadable tail needs "
+                              f"{self.bound_pages}")
+        self._alias = tuple(alias_pages)
+        self.base = backend.reserve(self.pages * gran)
+        self._own: list[PageHandle | None] = []  # the layer's own page at each index; None while offloaded
+        try:
+            with atomic(None) as journal:
+                journal.record(lambda: backend.free_reservation(self.base, self.pages * gran))
+                for i in range(self.pages):
+                    handle = journal.run(lambda: backend.create(gran), backend.release)
+                    journal.run(lambda i=i, h=handle: self._map(i, h), lambda _, i=i: self._unmap(i))
+                    self._own.append(handle)
+        except BaseException:
+            self._own = []
+            raise
+        try:
+            self.tensor = backend.tensor(self.base + self.pad_bytes, experts * self.shard_bytes,
+                                         original.dtype, original.shape)
+            self.tensor.copy_(original)
+            rows = bound_groups * group_pages * gran // self.shard_bytes
+            flat = backend.host_buffer(rows * self.shard_bytes)
+            self.host = flat.view(original.dtype).view(rows, *original.shape[1:])  # experts [E - rows, E)
+            self.host.copy_(original[experts - rows:])
+        except BaseException:
+            self.close()
+            raise
+
+    def offload_pages(self, first_page: int, end_page: int, journal: Journal) -> list[PageHandle]:
+        """Swap pages [first, end) from the layer's own pages to the staging alias; return own pages."""
+        freed: list[PageHandle] = []
+        for i in reversed(range(first_page, end_page)):
+            own = self._own[i]
+            if own is None:
+                raise VmmRuleError(f"page {i} is already offloaded")
+            alias = self._alias[self._slot_index(i)]
+            journal.run(lambda i=i: self._unmap(i), lambda _, i=i, own=own: self._map(i, own))
+            journal.run(lambda i=i, a=alias: self._map(i, a), lambda _, i=i: self._unmap(i))
+            self._own[i] = None
+            journal.record(lambda i=i, own=own: self._own.__setitem__(i, own))
+            freed.append(own)
+        return freed
+
+    def restore_pages(self, first_page: int, end_page: int, handles: Sequence[PageHandle],
+                      journal: Journal) -> None:
+        """Swap pages [first, end) from the staging alias back to `handles` (content not copied here)."""
+        for i, handle in zip(range(first_page, end_page), handles, strict=True):
+            if self._own[i] is not None:
+                raise VmmRuleError(f"page {i} is not offloaded")
+            alias = self._alias[self._slot_index(i)]
+            journal.run(lambda i=i: self._unmap(i), lambda _, i=i, a=alias: self._map(i, a))
+            journal.run(lambda i=i, h=handle: self._map(i, h), lambda _, i=i: self._unmap(i))
+            self._own[i] = handle
+            journal.record(lambda i=i: self._own.__setitem__(i, None))
+
+    def copy_from_host(self, first_expert: int, end_expert: int) -> None:
+        """Write experts [first, end) back from the host copy (restore: new pages hold KV bytes)."""
+        offset = self.tensor.shape[0] - self.host.shape[0]
+        self.tensor[first_expert:end_expert].copy_(self.host[first_expert - offset:end_expert - offset])
+
+    def close(self) -> None:
+        """Unmap every page (own or alias), release the layer's own pages, free the reservation."""
+        for i, handle in enumerate(self._own):
+            self._unmap(i)
+            if handle is not None:
+                self.backend.release(handle)
+        self._own = []
+        self.backend.free_reservation(self.base, self.pages * self.backend.granularity_bytes)
+
+    def _slot_index(self, page: int) -> int:
+        return page - (self.pages - self.bound_pages)
+
+    def _addr(self, page: int) -> int:
+        return self.base + page * self.backend.granularity_bytes
+
+    def _map(self, page: int, handle: PageHandle) -> None:
+        self.backend.map(self._addr(page), handle)
+
+    def _unmap(self, page: int) -> None:
+        self.backend.unmap(self._addr(page), self.backend.granularity_bytes)
+
+
+class ExpertStore:
+    """An eligible MoE layer's w13 `[E, 2I, H]` and w2 `[E, H, I]`, with the offloaded tail movable."""
+
+    def __init__(self, backend: PageBackend, layout: ExpertLayout, layer_id: int, w13: torch.Tensor,
+                 w2: torch.Tensor, alias_w13: Sequence[PageHandle] = (), alias_w2: Sequence[PageHandle] = ()) -> None:
+        _check_shapes(backend, layout, layer_id, w13, w2)
+        self.backend = backend
+        self.layout = layout
+        self.layer_id = layer_id
+        self.offloaded_groups = 0
+        bound = layout.bound_groups
+        self._w13 = PagedWeight(backend, w13, layout.w13_group_pages, bound, alias_w13)
+        try:
+            self._w2 = PagedWeight(backend, w2, layout.w2_group_pages, bound, alias_w2)
+        except BaseException:
+            self._w13.close()
+            raise
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """Fixed-address `[E, 2I, H]` tensor for the MoE kernel."""
+        return self._w13.tensor
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self._w2.tensor
+
+    @property
+    def host_w13(self) -> torch.Tensor:
+        """Host copy of the offloadable experts `[bound*g, 2I, H]`, made once at start."""
+        return self._w13.host
+
+    @property
+    def host_w2(self) -> torch.Tensor:
+        return self._w2.host
+
+    @property
+    def pages_per_group(self) -> int:
+        return self.layout.pages_per_group_per_layer
+
+    def offload_tail_pages(self, n_groups: int, journal: Journal | None = None) -> list[PageHandle]:
+        """Move the boundary down by `n_groups`: their pages leave (returned, still live) and the range
+        reads the staging slot instead. All or nothing unless `journal` is given (then the caller rolls back)."""
+        self.layout.check_offloaded_groups(self.offloaded_groups + n_groups)
+        self.backend.synchronize()
+        with atomic(journal) as j:
+            freed = self._move(n_groups, j, lambda w, first, end: w.offload_pages(first, end, j))
+            self._set_offloaded(self.offloaded_groups + n_groups, j)
+            return freed
+
+    def restore_tail(self, handles: Sequence[PageHandle] | None, n_groups: int,
+                     journal: Journal | None = None) -> None:
+        """Move the boundary up by `n_groups`: map `handles` (or fresh pages when None) behind the
+        returning experts and copy them back from the host copy."""
+        self.layout.check_offloaded_groups(self.offloaded_groups - n_groups)
+        need = n_groups * self.pages_per_group
+        self.backend.synchronize()
+        with atomic(journal) as j:
+            if handles is None:
+                gran = self.backend.granularity_bytes
+                handles = [j.run(lambda: self.backend.create(gran), self.backend.release) for _ in range(need)]
+            if len(handles) != need or any(h.nbytes != self.backend.granularity_bytes for h in handles):
+                raise VmmRuleError(f"restore_tail({n_groups}) needs {need} single pages, got {len(handles)}")
+            old_boundary = self.boundary_expert
+            pages = iter(handles)
+            self._move(-n_groups, j, lambda w, first, end: w.restore_pages(
+                first, end, [next(pages) for _ in range(first, end)], j))
+            self._set_offloaded(self.offloaded_groups - n_groups, j)
+            for weight in (self._w13, self._w2):
+                weight.copy_from_host(old_boundary, self.boundary_expert)
+
+    @property
+    def boundary_expert(self) -> int:
+        return self.layout.boundary_expert(self.offloaded_groups)
+
+    def staging_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) copies that fill this layer's offloaded experts from the host copy:
+        the destination is the tensor's own offloaded rows, which alias the staging slot (paper V-B)."""
+        b = self.boundary_expert
+        return [(w.tensor[b:], w.host[w.host.shape[0] - (w.tensor.shape[0] - b):]) for w in (self._w13, self._w2)]
+
+    def staged_bytes(self) -> int:
+        return sum(dst.numel() * dst.element_size() for dst, _ in self.staging_pairs())
+
+    def expert_checksums(self, first_expert: int = 0, end_expert: int | None = None) -> list[int]:
+        """CRC32 of each expert's w13 and w2 bytes (integrity checks across remaps)."""
+        end = self.boundary_expert if end_expert is None else end_expert
+        return [bytes_checksum(self.w13[e]) ^ (bytes_checksum(self.w2[e]) << 1) for e in range(first_expert, end)]
+
+    def close(self) -> None:
+        self.backend.synchronize()
+        self._w13.close()
+        self._w2.close()
+
+    def _move(self, n_groups: int, journal: Journal, step) -> list[PageHandle]:
+        """Apply `step(weight, first_page, end_page)` over the pages of the groups crossing the boundary."""
+        lo, hi = sorted((self.offloaded_groups, self.offloaded_groups + n_groups))
+        out: list[PageHandle] = []
+        for w in (self._w13, self._w2):
+            result = step(w, w.pages - hi * w.group_pages, w.pages - lo * w.group_pages)
+            out.extend(result or ())
+        return out
+
+    def _set_offloaded(self, groups: int, journal: Journal) -> None:
+        old = self.offloaded_groups
+        self.offloaded_groups = groups
+        journal.record(lambda: setattr(self, "offloaded_groups", old))
+
+
+def _check_shapes(backend: PageBackend, layout: ExpertLayout, layer_id: int, w13: torch.Tensor,
+                  w2: torch.Tensor) -> None:
+    if layout.eligible_index(layer_id) is None:
+        raise LayoutError(f"layer_id {layer_id} is not an offload-eligible MoE layer "
+                          f"{layout.eligible_layer_ids}")
+    if backend.granularity_bytes != layout.granularity_bytes:
+        raise LayoutError(f"backend granularity_bytes {backend.granularity_bytes} != layout "
+                          f"granularity_bytes {layout.granularity_bytes}")
+    for name, t, shard in (("w13", w13, layout.w13_shard_bytes), ("w2", w2, layout.w2_shard_bytes)):
+        if t.dim() != 3 or t.shape[0] != layout.local_experts:
+            raise LayoutError(f"{name} shape {tuple(t.shape)} must be [E={layout.local_experts}, ., .]")
+        if t[0].numel() * t.element_size() != shard:
+            raise LayoutError(f"{name} shard is {t[0].numel() * t.element_size()} bytes, layout says {shard}")
