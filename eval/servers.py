@@ -1,0 +1,170 @@
+"""Start and stop our server (`python -m vamp_sglang.launch_server`) for one configuration at a time.
+
+A server gets a free loopback port, its own process group (so stopping it kills SGLang's scheduler
+and detokenizer too) and a log file. Servers on this machine are serialised through one lock file
+(/tmp/vamp-server.lock, as for every engineer's server), held while the server lives.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+LOCK_PATH = os.environ.get("VAMP_SERVER_LOCK", "/tmp/vamp-server.lock")  # "" disables the lock
+ALWAYS_FLAGS = ("--enable-metrics", "--enable-cache-report")  # the bench reads these counters
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One configuration under test: a name for tables and the flags that make it (`--vamp-*` and SGLang's)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServerSetup:
+    """What every configuration of one experiment shares."""
+
+    model_path: str
+    device: str = "cpu"
+    max_total_tokens: int = 4096
+    tp_size: int = 1
+    extra_flags: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    log_dir: str = "results/logs"
+
+
+class ServerError(RuntimeError):
+    """The server did not become healthy; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_argv(setup: ServerSetup, config: ServerConfig, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "vamp_sglang.launch_server", "--model-path", setup.model_path,
+            "--device", setup.device, "--host", "127.0.0.1", "--port", str(port),
+            "--max-total-tokens", str(setup.max_total_tokens)]
+    if setup.tp_size != 1:
+        argv += ["--tp-size", str(setup.tp_size)]
+    given = set(setup.extra_flags) | set(config.flags)
+    return argv + [f for f in ALWAYS_FLAGS if f not in given] + list(setup.extra_flags) + list(config.flags)
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Server:
+    """A running server; use as a context manager so it is always stopped."""
+
+    setup: ServerSetup
+    config: ServerConfig
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+    _lock: IO | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _acquire_lock(self) -> None:
+        if not LOCK_PATH:
+            return
+        self._lock = open(LOCK_PATH, "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for {LOCK_PATH} (another server is running)", file=sys.stderr, flush=True)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+
+    def start(self) -> "Server":
+        self._acquire_lock()
+        log_dir = Path(self.setup.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"server-{self.config.name}-{self.port}.log"
+        env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        argv = launch_argv(self.setup, self.config, self.port)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(argv) + "\n")
+            log.flush()
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.setup.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"server {self.config.name!r} exited with code {self.process.returncode}; "
+                                  f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"server {self.config.name!r} not healthy after {self.setup.startup_timeout_s:.0f} s; "
+                          f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`, release the lock."""
+        if self.process is not None and self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)  # children outlive a parent that exited on SIGTERM
+            self.process.wait()
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def ensure_tiny_model(path: str | Path) -> Path:
+    """The tiny Qwen3-MoE model for CPU runs, generated once by `python -m vamp_sglang.tiny_moe OUT_DIR`."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-m", "vamp_sglang.tiny_moe", str(path)], check=True, env=env)
+    return path
