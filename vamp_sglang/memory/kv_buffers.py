@@ -1,0 +1,144 @@
+"""Per-layer K and V buffers over reserved ranges that grow and shrink in place at their tail.
+
+Paper IV-C / V-A: reclaimed expert pages join the KV pool. Each buffer is a PagedRegion reserved for the
+largest pool the offload bound allows; growing maps pages at its tail and re-points the SAME tensor
+objects at the longer storage (`Tensor.set_`), so every holder (SGLang's `k_buffer[l]` lists, pointer
+tables built from `data_ptr`) sees the new rows at unchanged addresses.
+
+Every buffer holds the same number of pages, so every layer has one token capacity. A page need not
+hold a whole number of rows (a row is heads * head_dim * itemsize bytes of one token in one layer), so
+capacity is `floor(mapped_bytes / row_bytes)`, rounded down to `row_multiple` (the allocator's page size
+in tokens). Shrinking is allowed only over rows the caller confirms are free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
+from vamp_sglang.memory.journal import Journal, atomic
+from vamp_sglang.memory.layout import kv_rows_for_bytes
+from vamp_sglang.memory.region import PagedRegion, bytes_checksum
+
+
+class KVShrinkError(RuntimeError):
+    """Shrinking would drop rows that are still in use."""
+
+
+class GrowableKVBuffers:
+    """`k_buffers[l]` and `v_buffers[l]`, each `[rows, heads, head_dim]`, growable in place."""
+
+    def __init__(self, backend: PageBackend, layers: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 initial_tokens: int, max_tokens: int, row_multiple: int = 1) -> None:
+        for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim),
+                            ("initial_tokens", initial_tokens), ("row_multiple", row_multiple)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive (got {value})")
+        if max_tokens < initial_tokens:
+            raise ValueError(f"max_tokens {max_tokens} must be >= initial_tokens {initial_tokens}")
+        self.backend = backend
+        self.heads, self.head_dim, self.dtype = heads, head_dim, dtype
+        self.row_bytes = heads * head_dim * dtype.itemsize
+        self.row_multiple = row_multiple
+        gran = backend.granularity_bytes
+        self.max_pages_per_buffer = -(-max_tokens * self.row_bytes // gran)
+        initial_pages = -(-initial_tokens * self.row_bytes // gran)
+        self._regions: list[PagedRegion] = []
+        try:
+            for _ in range(2 * layers):
+                region = PagedRegion(backend, self.max_pages_per_buffer * gran)
+                self._regions.append(region)
+                for _ in range(initial_pages):
+                    handle = backend.create(gran)
+                    try:
+                        region.append(handle)
+                    except BaseException:
+                        backend.release(handle)
+                        raise
+        except BaseException:
+            self.close()
+            raise
+        rows = self.rows_for_pages(initial_pages)
+        self._buffers = [r.view(dtype, (rows, heads, head_dim)) for r in self._regions]
+
+    @property
+    def k_buffers(self) -> list[torch.Tensor]:
+        return self._buffers[0::2]
+
+    @property
+    def v_buffers(self) -> list[torch.Tensor]:
+        return self._buffers[1::2]
+
+    @property
+    def n_buffers(self) -> int:
+        return len(self._regions)
+
+    @property
+    def pages_per_buffer(self) -> int:
+        return self._regions[0].mapped_bytes // self.backend.granularity_bytes
+
+    @property
+    def token_capacity(self) -> int:
+        """Rows every K and V buffer holds now."""
+        return self._buffers[0].shape[0]
+
+    @property
+    def max_token_capacity(self) -> int:
+        return self.rows_for_pages(self.max_pages_per_buffer)
+
+    def rows_for_pages(self, pages_per_buffer: int) -> int:
+        return kv_rows_for_bytes(pages_per_buffer * self.backend.granularity_bytes, self.row_bytes,
+                                 self.row_multiple)
+
+    def grow(self, handles: Sequence[PageHandle], journal: Journal | None = None) -> int:
+        """Map `handles` at the tails (the same count per buffer) and regrow every tensor in place;
+        returns the new token capacity. New rows hold whatever the pages held: they are free slots."""
+        per_buffer, rest = divmod(len(handles), self.n_buffers)
+        if rest:
+            raise VmmRuleError(f"grow: {len(handles)} pages do not split evenly over {self.n_buffers} buffers")
+        if self.pages_per_buffer + per_buffer > self.max_pages_per_buffer:
+            raise VmmRuleError(f"grow: {self.pages_per_buffer} + {per_buffer} pages per buffer exceed the "
+                               f"reservation of {self.max_pages_per_buffer} (raise max_tokens)")
+        with atomic(journal) as j:
+            for b, region in enumerate(self._regions):
+                for handle in handles[b::self.n_buffers]:
+                    j.run(lambda r=region, h=handle: r.append(h), lambda _, r=region: r.pop_tail())
+            self._regrow(self.rows_for_pages(self.pages_per_buffer), j)
+        return self.token_capacity
+
+    def shrink(self, n_pages: int, tail_is_free: Callable[[int, int], bool],
+               journal: Journal | None = None) -> list[PageHandle]:
+        """Unmap `n_pages` from every buffer's tail and return them (buffer-interleaved, live).
+        `tail_is_free(first_row, end_row)` must confirm the dropped rows hold no live tokens."""
+        if not 0 <= n_pages <= self.pages_per_buffer:
+            raise VmmRuleError(f"shrink: n_pages must be in [0, {self.pages_per_buffer}] (got {n_pages})")
+        new_rows = self.rows_for_pages(self.pages_per_buffer - n_pages)
+        if not tail_is_free(new_rows, self.token_capacity):
+            raise KVShrinkError(f"shrink: rows [{new_rows}, {self.token_capacity}) are not all free")
+        self.backend.synchronize()
+        with atomic(journal) as j:
+            self._regrow(new_rows, j)
+            popped = [[j.run(r.pop_tail, r.append) for _ in range(n_pages)] for r in self._regions]
+        return [popped[b][p] for p in range(n_pages) for b in range(self.n_buffers)]
+
+    def checksums(self, end_row: int | None = None) -> list[int]:
+        """CRC32 of rows [0, end_row) of every buffer (integrity across remaps)."""
+        end = self.token_capacity if end_row is None else end_row
+        return [bytes_checksum(t[:end]) for t in self._buffers]
+
+    def close(self) -> None:
+        """Unmap and release every page; the tensors must not be used afterwards."""
+        for region in self._regions:
+            for handle in region.close():
+                self.backend.release(handle)
+        self._regions = []
+
+    def _regrow(self, rows: int, journal: Journal) -> None:
+        old_rows = self.token_capacity
+        shape = (rows, self.heads, self.head_dim)
+        for region, tensor in zip(self._regions, self._buffers):
+            region.regrow(tensor, shape)
+        journal.record(lambda: [region.regrow(t, (old_rows, self.heads, self.head_dim))
+                                for region, t in zip(self._regions, self._buffers)])
