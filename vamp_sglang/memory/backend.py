@@ -92,7 +92,7 @@ class PageBackend(abc.ABC):
                 raise VmmRuleError(f"free_reservation({base:#x}): pages are still mapped in it")
             self._free_reservation_raw(base, nbytes)
             del self._reservations[base]
-            self._reservation_bases.remove(base)
+            del self._reservation_bases[bisect.bisect_left(self._reservation_bases, base)]
 
     def create(self, nbytes: int) -> PageHandle:
         """Allocate and commit physical pages now, so a shortage raises MemoryError here."""
@@ -134,7 +134,7 @@ class PageBackend(abc.ABC):
             handle = entry[1]
             self._unmap_raw(addr, nbytes)
             del self._mappings[addr]
-            self._mapping_addrs.remove(addr)
+            del self._mapping_addrs[bisect.bisect_left(self._mapping_addrs, addr)]
             self._handle_mapping_counts[handle] -= 1
             if self._handle_mapping_counts[handle] == 0 and handle in self._released:
                 self._release_raw(handle)

@@ -43,14 +43,18 @@ def _check(drv: Any, result: tuple, call: str) -> Any:
     raise CudaDriverError(f"{call}: {err!r}")
 
 
-def _open_device(drv: Any, index: int) -> Any:
-    """cuInit + cuDeviceGet, turning 'no driver' and 'no device' into BackendUnavailableError."""
+def _init_driver(drv: Any) -> None:
+    """cuInit, turning 'no driver library' (raised) and 'no device' (returned) into BackendUnavailableError."""
     try:
         (err,) = drv.cuInit(0)
     except RuntimeError as exc:  # DynamicLibNotFoundError: libcuda.so is not installed
         raise BackendUnavailableError(f"cuda page backend: no NVIDIA driver library on this machine ({exc})") from exc
     if err != drv.CUresult.CUDA_SUCCESS:
         raise BackendUnavailableError(f"cuda page backend: cuInit failed with {err!r} (no usable GPU)")
+
+
+def _open_device(drv: Any, index: int) -> Any:
+    """cuDeviceGet for a present device that supports virtual memory management."""
     err, count = drv.cuDeviceGetCount()
     if err != drv.CUresult.CUDA_SUCCESS or index >= count:
         raise BackendUnavailableError(f"cuda page backend: device index {index} not present ({count} devices)")
@@ -71,7 +75,8 @@ class CudaPageBackend(PageBackend):
         if device.type != "cuda":
             raise BackendUnavailableError(f"cuda page backend serves CUDA devices only (got {device})")
         drv = _driver()
-        index = device.index if device.index is not None else 0
+        _init_driver(drv)
+        index = device.index if device.index is not None else torch.cuda.current_device()
         self._drv = drv
         self._dev = _open_device(drv, index)
         self._ctx = _check(drv, drv.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
