@@ -1,0 +1,12 @@
+"""TP ranks agree over ZMQ on how many KV tokens to add, so every rank remaps that amount or none.
+
+- `messages`: the wire messages (typed dataclasses) and their one strict msgpack serializer.
+- `ipc`: the private 0700 directory that holds the sockets.
+- `agreement`: `RankController`, the two-phase agreement (`agree_min`, then `all_ok`).
+"""
+
+from vamp_sglang.controller.agreement import RankController
+from vamp_sglang.controller.ipc import ControllerError, make_private_ipc_dir
+from vamp_sglang.controller.messages import MalformedMessage
+
+__all__ = ["ControllerError", "MalformedMessage", "RankController", "make_private_ipc_dir"]
