@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend, select_backend  # noqa: E402
-from vamp_sglang.memory.region import PagedRegion  # noqa: E402
+from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend, select_backend
+from vamp_sglang.memory.region import PagedRegion
 
 MIB, GIB = 1 << 20, 1 << 30
 SKIPPED = "no CUDA device: skipped"
@@ -199,30 +199,37 @@ def measure_staging(device: torch.device, experts: int, hidden: int, moe_inter: 
 
     staged_bytes = (host_w13.numel() + host_w2.numel()) * 2
     copy_ms = _median_ms(lambda: _on(copy_stream, copy), reps)
+    exact = torch.equal(stage_w13, w13[experts - off:]) and torch.equal(stage_w2, w2[experts - off:])
     result = {"experts": experts, "offloaded_experts": off, "staged_bytes": staged_bytes,
               "copy_ms": round(copy_ms, 3), "copy_gb_per_s": round(staged_bytes / copy_ms / 1e6, 1),
-              "staged_bytes_exact": torch.equal(stage_w13, w13[experts - off:]) and torch.equal(stage_w2, w2[experts - off:]),
-              "batches": []}
+              "staged_bytes_exact": exact, "batches": []}
     for tokens in batch_tokens:
-        per_expert = max(1, tokens * top_k // experts)
-        x = torch.randn(experts, per_expert, hidden, dtype=torch.bfloat16, device=device)
-        layer_ms = _median_ms(lambda: _on(compute_stream, lambda: moe_layer(x, w13, w2)), reps)
-        layers = max(1, round(copy_ms / layer_ms))  # enough layers of compute to be comparable to one copy
+        result["batches"].append(_overlap_at(tokens, experts, hidden, top_k, w13, w2, copy, copy_ms,
+                                             copy_stream, compute_stream, reps))
+    return result
 
-        def compute() -> None:
-            for _ in range(layers):
-                moe_layer(x, w13, w2)
 
-        compute_ms = _median_ms(lambda: _on(compute_stream, compute), reps)
-        both_ms = _median_ms(lambda: (_on(copy_stream, copy, sync=False), _on(compute_stream, compute)), reps)
-        hidden_ms = copy_ms + compute_ms - both_ms
-        result["batches"].append({
-            "batch_tokens": tokens, "tokens_per_expert": per_expert, "layer_ms": round(layer_ms, 3),
+def _overlap_at(tokens: int, experts: int, hidden: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, copy,
+                copy_ms: float, copy_stream: torch.cuda.Stream, compute_stream: torch.cuda.Stream,
+                reps: int) -> dict:
+    """One batch size: the layer alone, enough layers to match one copy, and both streams at once."""
+    per_expert = max(1, tokens * top_k // experts)
+    x = torch.randn(experts, per_expert, hidden, dtype=w13.dtype, device=w13.device)  # [E, T, H]
+    layer_ms = _median_ms(lambda: _on(compute_stream, lambda: moe_layer(x, w13, w2)), reps)
+    layers = max(1, round(copy_ms / layer_ms))  # enough layers of compute to be comparable to one copy
+
+    def compute() -> None:
+        for _ in range(layers):
+            moe_layer(x, w13, w2)
+
+    compute_ms = _median_ms(lambda: _on(compute_stream, compute), reps)
+    both_ms = _median_ms(lambda: (_on(copy_stream, copy, sync=False), _on(compute_stream, compute)), reps)
+    hidden_ms = copy_ms + compute_ms - both_ms
+    return {"batch_tokens": tokens, "tokens_per_expert": per_expert, "layer_ms": round(layer_ms, 3),
             "copy_over_layer": round(copy_ms / layer_ms, 2), "compute_layers": layers,
             "compute_ms": round(compute_ms, 3), "concurrent_ms": round(both_ms, 3),
             "serial_ms": round(copy_ms + compute_ms, 3),
-            "overlap_pct": round(100.0 * hidden_ms / min(copy_ms, compute_ms), 1)})
-    return result
+            "overlap_pct": round(100.0 * hidden_ms / min(copy_ms, compute_ms), 1)}
 
 
 def _on(stream: torch.cuda.Stream, fn, sync: bool = True) -> None:
@@ -287,8 +294,8 @@ def main() -> int:
         report.update(status="ran on GPU", gpu=torch.cuda.get_device_name(0),
                       granularity_bytes=backend.granularity_bytes)
         run_section(report, "backend", lambda: check_backend(backend))
-        run_section(report, "driver", lambda: probe_driver_rules(backend))
         run_section(report, "remap", lambda: measure_remap(backend, GIB, reps=3))
+        run_section(report, "driver", lambda: probe_driver_rules(backend))  # last user of the backend
         run_section(report, "staging", lambda: measure_staging(
             torch.device("cuda", 0), experts=512, hidden=2048, moe_inter=512, tp=2, offload_ratio=0.25,
             batch_tokens=[256, 8192], top_k=10, reps=args.reps))

@@ -18,8 +18,9 @@ from __future__ import annotations
 import abc
 import bisect
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

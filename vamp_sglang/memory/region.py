@@ -11,7 +11,7 @@ Every method leaves the region as it was if it raises.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
