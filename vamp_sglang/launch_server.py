@@ -135,20 +135,14 @@ def _print_help() -> None:
 def _export(launch: Launch) -> None:
     """Apply the environment here; SGLang's spawned processes inherit it."""
     os.environ.update(launch.env)
-    control_dir = _make_private_dir()
+    from vamp_sglang.controller import make_private_ipc_dir
+
+    control_dir = make_private_ipc_dir()
     os.environ[config.ENV_CONTROL_DIR] = control_dir
     atexit.register(shutil.rmtree, control_dir, True)
     for path in reversed(launch.env.get("PYTHONPATH", "").split(os.pathsep)):
         if path and path not in sys.path:
             sys.path.insert(0, path)
-
-
-def _make_private_dir() -> str:
-    import tempfile
-
-    path = tempfile.mkdtemp(prefix="vamp-ctl-")
-    os.chmod(path, 0o700)
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,7 +57,9 @@ class DecisionMaker:
 
     def refresh_headroom(self) -> None:
         local = self.memory.tokens_for(self.memory.headroom_groups())
-        self.headroom_tokens = self.controller.agree_min(self.next_round(), local)
+        round_id = self.next_round()
+        self.headroom_tokens = self.controller.agree_min(round_id, local)
+        self.controller.all_ok(round_id, True)
 
     def coefficients(self) -> Coefficients:
         if not self.config.calibrate:
@@ -66,7 +68,9 @@ class DecisionMaker:
         if self.controller.world_size == 1:
             return measured
         # Timings differ between ranks and decisions must not, so ranks agree on one t_prefill.
-        agreed_ns = self.controller.agree_min(self.next_round(), int(measured.t_prefill_s * 1e9))
+        round_id = self.next_round()
+        agreed_ns = self.controller.agree_min(round_id, int(measured.t_prefill_s * 1e9))
+        self.controller.all_ok(round_id, True)
         t_prefill_s = agreed_ns / 1e9 if agreed_ns else self.base_coefficients.t_prefill_s
         return dataclasses.replace(measured, t_prefill_s=t_prefill_s)
 
@@ -132,20 +136,28 @@ class DecisionMaker:
 
     def offload(self, groups: int) -> int:
         """Offload `groups` per eligible layer on every rank, or on none. Returns tokens added."""
-        common = self.controller.agree_min(self.next_round(), self.memory.tokens_for(groups))
-        ok = False
+        added = self._agreed(self.memory.tokens_for(groups),
+                             lambda tokens: self.memory.offload(groups, tokens),
+                             lambda: self.memory.restore(groups))
+        self.refresh_headroom()
+        return added
+
+    def _agreed(self, proposal: int, apply: Any, undo: Any) -> int:
+        """The controller's pattern: agree on min(proposal), apply it everywhere, undo unless all ok."""
+        round_id = self.next_round()
+        common = self.controller.agree_min(round_id, proposal)
+        ok, applied = True, False
         if common > 0:
             try:
-                self.memory.offload(groups, common)
-                ok = True
+                apply(common)
+                applied = True
             except Exception:  # the transaction left this rank as before; the vote tells the others
-                logger.exception("vamp: offload of %d groups failed on this rank; no rank remaps", groups)
-        if not self.controller.all_ok(self.next_round(), ok):
-            if ok:
-                self.memory.restore(groups)
-            self.refresh_headroom()
+                logger.exception("vamp: remap round %d failed on this rank; no rank keeps it", round_id)
+                ok = False
+        if not self.controller.all_ok(round_id, ok):
+            if applied:
+                undo()
             return 0
-        self.refresh_headroom()
         return common
 
     # --- restore when pressure stays low (the paper leaves this out) -------------------------
@@ -160,18 +172,9 @@ class DecisionMaker:
         if self.calm_steps < self.config.restore_after_steps:
             return
         groups = min(self.config.expand_groups, self.memory.offloaded_groups)
-        local = groups if self.memory.restorable_groups() >= groups else 0
-        if self.controller.agree_min(self.next_round(), local) == 0:
-            return
-        ok = False
-        try:
-            self.memory.restore(groups)
-            ok = True
-        except Exception:
-            logger.exception("vamp: restore of %d groups failed on this rank", groups)
-        if not self.controller.all_ok(self.next_round(), ok) and ok:
-            self.memory.offload(groups, self.memory.tokens_for(groups))
-        elif ok:
+        restorable = groups if self.memory.restorable_groups() >= groups else 0
+        if self._agreed(restorable, lambda _: self.memory.restore(groups),
+                        lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):
             self.runtime.decisions["restore"] += 1
             self.calm_steps = 0
         self.refresh_headroom()
