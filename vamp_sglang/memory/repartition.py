@@ -1,0 +1,166 @@
+"""Expert-to-KV repartitioning as transactions (paper IV-C, V-A).
+
+`offload(n)` moves the residency boundary of every eligible layer down by n groups: the groups' pages
+leave the expert tensors (whose offloaded range then reads the staging slot), join the tails of every
+K and V buffer in equal shares, and the pool grows. `restore(n)` is the reverse and needs the dropped
+KV rows to be free. Either call changes everything or nothing: every page move is recorded in one
+journal and a failure anywhere (a map that fails half-way, the allocator refusing the new size) undoes
+all of them, so no KV row in use and no expert byte is lost.
+
+Freed pages that do not split evenly over the K/V buffers are kept spare (at most n_buffers - 1 pages)
+and used first by the next offload or restore; the pool size is therefore a function of the number of
+offloaded groups alone, which is what lets TP ranks agree on it (`prepare`, paper V-A).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from vamp_sglang.memory.backend import PageHandle
+from vamp_sglang.memory.experts import ExpertStore
+from vamp_sglang.memory.journal import Journal, atomic
+from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
+from vamp_sglang.memory.layout import ExpertLayout, LayoutError, kv_pages_per_buffer
+from vamp_sglang.memory.staging import StagingEngine
+
+
+class AgreementMismatch(RuntimeError):
+    """The tokens agreed across ranks differ from what this rank's remap would add."""
+
+
+@dataclass(frozen=True)
+class RepartitionStats:
+    """The `/vamp/stats` `experts` and `kv_pool` figures."""
+
+    eligible_layers: int
+    groups_per_layer: int
+    group_experts: int
+    bound_groups: int
+    offloaded_groups: int
+    offload_ratio: float
+    reclaimed_bytes: int  # expert bytes unmapped from the expert tensors
+    spare_bytes: int  # reclaimed but not yet usable by KV (uneven split over buffers)
+    pool_tokens: int
+    initial_pool_tokens: int
+
+
+class Repartitioner:
+    """Moves the residency boundary of all eligible layers together; one instance per TP rank."""
+
+    def __init__(self, layout: ExpertLayout, expert_stores: Sequence[ExpertStore], kv_buffers: GrowableKVBuffers,
+                 on_pool_resize: Callable[[int, int], None], *, tail_is_free: Callable[[int, int], bool],
+                 staging: StagingEngine | None = None) -> None:
+        """`on_pool_resize(old_tokens, new_tokens)` publishes a new pool size (allocator free list and
+        every copy of the size); it is the last step of a transaction, and raising from it aborts the
+        remap. `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens."""
+        layer_ids = tuple(s.layer_id for s in expert_stores)
+        if layer_ids != layout.eligible_layer_ids:
+            raise LayoutError(f"expert_stores cover layers {layer_ids}, expected the eligible layers "
+                              f"{layout.eligible_layer_ids} in order")
+        if len({s.offloaded_groups for s in expert_stores}) > 1:
+            raise LayoutError("expert_stores must start with one residency boundary")
+        self.layout = layout
+        self.stores = list(expert_stores)
+        self.kv = kv_buffers
+        self.staging = staging
+        self._on_pool_resize = on_pool_resize
+        self._tail_is_free = tail_is_free
+        self._spare: list[PageHandle] = []
+        self._offloaded = self.stores[0].offloaded_groups if self.stores else 0
+        self._base_pages = kv_buffers.pages_per_buffer - self._kv_extra_pages(self._offloaded)
+        self.initial_pool_tokens = kv_buffers.rows_for_pages(self._base_pages)
+        need = self._base_pages + self._kv_extra_pages(layout.bound_groups)
+        if need > kv_buffers.max_pages_per_buffer:
+            raise LayoutError(f"KV buffers reserve {kv_buffers.max_pages_per_buffer} pages each; the offload "
+                              f"bound needs {need} (raise max_tokens to {kv_buffers.rows_for_pages(need)})")
+
+    @property
+    def offloaded_groups(self) -> int:
+        return self._offloaded
+
+    def tokens_at(self, offloaded_groups: int) -> int:
+        """Pool rows with `offloaded_groups` groups offloaded from every eligible layer."""
+        self.layout.check_offloaded_groups(offloaded_groups)
+        return self.kv.rows_for_pages(self._base_pages + self._kv_extra_pages(offloaded_groups))
+
+    def prepare(self, n_groups: int) -> int:
+        """Tokens offloading `n_groups` more would add (read-only; what a rank reports for agreement)."""
+        return self.tokens_at(self._offloaded + n_groups) - self.tokens_at(self._offloaded)
+
+    def prepare_restore(self, n_groups: int) -> int:
+        """Tokens restoring `n_groups` would remove (read-only)."""
+        return self.tokens_at(self._offloaded) - self.tokens_at(self._offloaded - n_groups)
+
+    def offload(self, n_groups: int, expect_tokens: int | None = None) -> int:
+        """Transaction: n groups of every eligible layer to the KV tails; returns tokens added.
+        `expect_tokens` is the amount the ranks agreed on; a different local amount changes nothing."""
+        added = self._agree(self.prepare(n_groups), expect_tokens)
+        if n_groups == 0:
+            return 0
+        self._quiesce()
+        old_tokens, old = self.kv.token_capacity, self._offloaded
+        with atomic(None) as j:
+            freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
+            take = (self._kv_extra_pages(old + n_groups) - self._kv_extra_pages(old)) * self.kv.n_buffers
+            pool = self._spare + freed
+            self._set_state(old + n_groups, pool[take:], j)
+            new_tokens = self.kv.grow(pool[:take], j)
+            self._on_pool_resize(old_tokens, new_tokens)
+        return added
+
+    def restore(self, n_groups: int, expect_tokens: int | None = None) -> int:
+        """Transaction: n groups back into every eligible layer from the KV tails; returns tokens removed."""
+        removed = self._agree(self.prepare_restore(n_groups), expect_tokens)
+        if n_groups == 0:
+            return 0
+        self._quiesce()
+        old_tokens, old = self.kv.token_capacity, self._offloaded
+        per_store = n_groups * self.layout.pages_per_group_per_layer
+        with atomic(None) as j:
+            drop = self._kv_extra_pages(old) - self._kv_extra_pages(old - n_groups)
+            pool = self._spare + self.kv.shrink(drop, self._tail_is_free, j)
+            for k, store in enumerate(self.stores):
+                store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
+            self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j)
+            self._on_pool_resize(old_tokens, self.kv.token_capacity)
+        return removed
+
+    def stats(self) -> RepartitionStats:
+        lay = self.layout
+        gran = lay.granularity_bytes
+        return RepartitionStats(
+            eligible_layers=len(lay.eligible_layer_ids), groups_per_layer=lay.groups_per_layer,
+            group_experts=lay.group_experts, bound_groups=lay.bound_groups, offloaded_groups=self._offloaded,
+            offload_ratio=lay.offload_ratio(self._offloaded),
+            reclaimed_bytes=self._offloaded * lay.bytes_freed_per_group, spare_bytes=len(self._spare) * gran,
+            pool_tokens=self.kv.token_capacity, initial_pool_tokens=self.initial_pool_tokens)
+
+    def _kv_extra_pages(self, offloaded_groups: int) -> int:
+        return kv_pages_per_buffer(offloaded_groups, self.layout.pages_freed_per_group, self.kv.n_buffers)
+
+    def _agree(self, local_tokens: int, expect_tokens: int | None) -> int:
+        if expect_tokens is not None and expect_tokens != local_tokens:
+            raise AgreementMismatch(f"ranks agreed on {expect_tokens} tokens, this rank's remap gives "
+                                    f"{local_tokens}")
+        return local_tokens
+
+    def _quiesce(self) -> None:
+        """No copy or kernel may touch pages while they move."""
+        if self.staging is not None:
+            self.staging.drain()
+        self.kv.backend.synchronize()
+
+    def _set_state(self, offloaded: int, spare: list[PageHandle], journal: Journal) -> None:
+        old_offloaded, old_spare = self._offloaded, self._spare
+        self._offloaded, self._spare = offloaded, spare
+        journal.record(lambda: self._restore_state(old_offloaded, old_spare))
+
+    def _restore_state(self, offloaded: int, spare: list[PageHandle]) -> None:
+        self._offloaded, self._spare = offloaded, spare
+
+    def close(self) -> None:
+        """Release the spare pages (the stores and KV buffers are closed by their owners)."""
+        for handle in self._spare:
+            self.kv.backend.release(handle)
+        self._spare = []
