@@ -86,7 +86,7 @@ def test_offload_aliases_staging_pages_and_restore_is_exact(backend):
     for dst, src in store.staging_pairs():
         dst.fill_(7.0)
     assert bool((store.w13[18:] == 7.0).all()) and bool((store.w2[18:] == 7.0).all())
-    slot13, slot2 = staging.alias_pages(store.layer_id)
+    slot13, _slot2 = staging.alias_pages(store.layer_id)
     assert slot13 == staging.slots[0].w13_pages  # eligible index 0 reads slot 0
     for dst, src in store.staging_pairs():
         dst.copy_(src)

@@ -106,6 +106,6 @@ def test_rows_dropped_by_shrink_are_unmapped():
         old_view[1000].fill_(2.0)
         print("no fault", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert "shrunk 512" in proc.stdout
     assert "no fault" not in proc.stdout and proc.returncode == -11, proc.stderr

@@ -19,8 +19,8 @@ QWEN3_30B = {"num_hidden_layers": 48, "hidden_size": 2048, "num_experts": 128, "
 
 
 def layout(**overrides):
-    args = dict(moe_layer_ids=[0, 1, 2, 3], local_experts=16, w13_shard_bytes=3 * MIB, w2_shard_bytes=MIB + MIB // 2,
-                granularity_bytes=2 * MIB, max_offload_ratio=0.5, staging_capacity_shards=16)
+    args = {"moe_layer_ids": [0, 1, 2, 3], "local_experts": 16, "w13_shard_bytes": 3 * MIB, "w2_shard_bytes": MIB + MIB // 2,
+                "granularity_bytes": 2 * MIB, "max_offload_ratio": 0.5, "staging_capacity_shards": 16}
     args.update(overrides)
     return ExpertLayout.compute(**args)
 

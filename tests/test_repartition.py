@@ -3,8 +3,8 @@ grows through the same tensors, and a failure at ANY step of offload or restore 
 
 import pytest
 import torch
-
 from test_experts import host_backend, make_layout, make_weights, moe_forward
+
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import LayoutError
 from vamp_sglang.memory.repartition import AgreementMismatch, Repartitioner
@@ -84,11 +84,11 @@ def system():
 
 
 def snapshot(real, stores, kv, pool, rp, live_rows):
-    return dict(stats=rp.stats(), pool=pool.tokens, pages=kv.pages_per_buffer,
-                shapes=[tuple(t.shape) for t in kv.k_buffers + kv.v_buffers],
-                kv=kv.checksums(live_rows), experts=[s.expert_checksums() for s in stores],
-                boundaries=[s.boundary_expert for s in stores], live=real.live_counts(),
-                committed=real.committed_bytes)
+    return {"stats": rp.stats(), "pool": pool.tokens, "pages": kv.pages_per_buffer,
+                "shapes": [tuple(t.shape) for t in kv.k_buffers + kv.v_buffers],
+                "kv": kv.checksums(live_rows), "experts": [s.expert_checksums() for s in stores],
+                "boundaries": [s.boundary_expert for s in stores], "live": real.live_counts(),
+                "committed": real.committed_bytes}
 
 
 def staged_outputs_exact(weights, stores, engine):
@@ -104,7 +104,7 @@ def staged_outputs_exact(weights, stores, engine):
 
 
 def test_offload_moves_pages_without_new_memory_and_restore_returns_them(system):
-    real, backend, weights, layout, stores, kv, pool, rp, engine = system
+    real, _backend, weights, layout, stores, kv, pool, rp, engine = system
     k0 = kv.k_buffers[0]
     committed = real.committed_bytes
     experts = [s.expert_checksums(0, EXPERTS) for s in stores]
@@ -125,7 +125,7 @@ def test_offload_moves_pages_without_new_memory_and_restore_returns_them(system)
 
 
 def test_cycles_keep_every_resident_expert_and_live_kv_row(system):
-    real, backend, weights, layout, stores, kv, pool, rp, engine = system
+    _real, _backend, weights, _layout, stores, kv, pool, rp, engine = system
     experts = [s.expert_checksums(0, EXPERTS) for s in stores]
     pool.used_rows = 512  # the fixture wrote every initial row
     for step, (action, n) in enumerate([("o", 2), ("o", 1), ("r", 1), ("o", 2), ("r", 3), ("o", 3), ("r", 4)]):
@@ -153,7 +153,7 @@ def count_calls(backend, action):
 
 
 def test_a_failure_at_any_step_of_offload_or_restore_changes_nothing(system):
-    real, backend, weights, layout, stores, kv, pool, rp, engine = system
+    real, backend, weights, _layout, stores, kv, pool, rp, engine = system
     rp.offload(1)  # start with aliases and spare pages in place
     pool.used_rows = kv.token_capacity
     before = snapshot(real, stores, kv, pool, rp, pool.used_rows)
@@ -181,7 +181,7 @@ def test_a_failure_at_any_step_of_offload_or_restore_changes_nothing(system):
 
 
 def test_refusals_change_nothing(system):
-    real, backend, weights, layout, stores, kv, pool, rp, engine = system
+    real, _backend, weights, _layout, stores, kv, pool, rp, engine = system
     before = snapshot(real, stores, kv, pool, rp, 512)
     pool.refuse = True  # the allocator (or a rank, through the controller) refuses the new size
     with pytest.raises(InjectedFault, match="refused"):

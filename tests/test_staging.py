@@ -3,8 +3,8 @@ at 0%, 10%, 25% and the maximum offload (paper IV-D, V-B), and staging is what m
 
 import pytest
 import torch
-
 from test_experts import host_backend, make_layout, make_weights, moe_forward
+
 from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = [0, 1, 2, 3], 40, 128, 128, 4, 64  # g = 1
@@ -48,7 +48,7 @@ def offload(stores, groups):
 
 @pytest.mark.parametrize("ratio", [0.0, 0.10, 0.25, "max"])
 def test_moe_output_is_bit_identical_at_every_offload_level(model, ratio):
-    backend, weights, layout, stores = model
+    _backend, weights, layout, stores = model
     groups = layout.bound_groups if ratio == "max" else layout.groups_for_ratio(ratio)
     assert groups == {0.0: 0, 0.10: 4, 0.25: 10, "max": 20}[ratio]
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(2))
@@ -66,7 +66,7 @@ def test_moe_output_is_bit_identical_at_every_offload_level(model, ratio):
 
 
 def test_without_staging_the_offloaded_range_reads_stale_slot_data(model):
-    backend, weights, layout, stores = model
+    _backend, weights, layout, stores = model
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(3))
     reference = forward(x, weights, stores)
     offload(stores, layout.groups_for_ratio(0.25))
@@ -78,7 +78,7 @@ def test_without_staging_the_offloaded_range_reads_stale_slot_data(model):
 
 
 def test_sync_mode_matches_and_counters_add_up(model):
-    backend, weights, layout, stores = model
+    _backend, weights, layout, stores = model
     groups = layout.groups_for_ratio(0.25)
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(4))
     reference = forward(x, weights, stores)
@@ -98,7 +98,7 @@ def test_sync_mode_matches_and_counters_add_up(model):
 
 
 def test_drain_discards_prefetch_for_an_old_boundary(model):
-    backend, weights, layout, stores = model
+    _backend, weights, _layout, stores = model
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(5))
     reference = forward(x, weights, stores)
     offload(stores, 2)

@@ -19,7 +19,7 @@ assigns `store.w13` / `store.w2` to the layer.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

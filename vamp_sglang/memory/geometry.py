@@ -12,8 +12,9 @@ Mixtral (`num_local_experts`, `intermediate_size`) keys. Pure Python.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
@@ -96,7 +97,7 @@ def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
 
 def _kv_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
     """Qwen3-Next keeps KV only in its full-attention layers (every full_attention_interval-th)."""
-    if "layer_types" in config and config["layer_types"]:
+    if config.get("layer_types"):
         types = list(config["layer_types"])
         if len(types) != layers:
             raise GeometryError(f"layer_types has {len(types)} entries for {layers} layers")

@@ -8,8 +8,9 @@ index or expert byte is lost. Called without a journal, a component is atomic on
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

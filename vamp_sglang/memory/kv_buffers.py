@@ -13,7 +13,7 @@ in tokens). Shrinking is allowed only over rows the caller confirms are free.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -42,7 +42,7 @@ class ExpertLayout:
     @classmethod
     def compute(cls, moe_layer_ids: list[int] | tuple[int, ...], local_experts: int, w13_shard_bytes: int,
                 w2_shard_bytes: int, granularity_bytes: int, max_offload_ratio: float,
-                staging_capacity_shards: int) -> "ExpertLayout":
+                staging_capacity_shards: int) -> ExpertLayout:
         ids = tuple(int(i) for i in moe_layer_ids)
         _check(len(ids) > 0, "moe_layer_ids", ids, "must name at least one MoE layer")
         _check(list(ids) == sorted(set(ids)), "moe_layer_ids", ids, "must be strictly increasing")

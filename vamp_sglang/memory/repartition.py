@@ -14,8 +14,8 @@ offloaded groups alone, which is what lets TP ranks agree on it (`prepare`, pape
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from vamp_sglang.memory.backend import PageHandle
 from vamp_sglang.memory.experts import ExpertStore
