@@ -88,9 +88,8 @@ def tiny_system(ratio: float, kv_tokens: int, populate: bool = True):
     lay = ExpertLayout.compute(geo.moe_layer_ids, e, geo.w13_shard_bytes, geo.w2_shard_bytes, PAGE_BYTES, ratio, e)
     staging, stores = build_expert_stores(backend, lay, {k: v[:2] for k, v in weights.items() if k in
                                                          lay.eligible_layer_ids})
-    max_pages = kv_pages_per_buffer(lay.bound_groups, lay.pages_freed_per_group, 2 * len(geo.kv_layer_ids))
-    kv = GrowableKVBuffers(backend, len(geo.kv_layer_ids), geo.kv_heads_per_rank, geo.head_dim, torch.float32,
-                           kv_tokens, kv_tokens + (max_pages + 1) * PAGE_BYTES // geo.kv_row_bytes)
+    kv = GrowableKVBuffers.for_layout(backend, lay, len(geo.kv_layer_ids), geo.kv_heads_per_rank, geo.head_dim,
+                                      torch.float32, kv_tokens)
     return backend, weights, lay, staging, stores, kv
 
 

@@ -56,6 +56,9 @@ def test_capacity_counts_whole_rows_when_pages_do_not_divide(backend):
     assert kv.token_capacity == 128
     assert kv.grow(pages(backend, 2)) == 272
     kv.close()
+    kv = GrowableKVBuffers(backend, 1, 3, 40, torch.float32, 136, 2000, row_multiple=16)
+    assert (kv.pages_per_buffer, kv.token_capacity) == (2, 272)  # one page rounds down to 128 < 136
+    kv.close()
 
 
 def test_grow_rejects_uneven_or_oversized_page_sets(backend):

@@ -214,6 +214,13 @@ def test_kv_reservation_must_cover_the_bound():
     with pytest.raises(LayoutError, match="eligible layers"):
         Repartitioner(layout, stores[1:], kv, lambda a, b: None, tail_is_free=lambda a, b: True)
     kv.close()
+    kv = GrowableKVBuffers.for_layout(real, layout, 3, 2, 16, torch.float32, 512)  # sized for the bound
+    rp = Repartitioner(layout, stores, kv, lambda a, b: None, tail_is_free=lambda a, b: True)
+    rp.offload(layout.bound_groups)
+    assert kv.pages_per_buffer == kv.max_pages_per_buffer == 7
+    rp.restore(layout.bound_groups)
+    rp.close()
+    kv.close()
     for store in stores:
         store.close()
     staging.close()

@@ -8,7 +8,8 @@ tables built from `data_ptr`) sees the new rows at unchanged addresses.
 Every buffer holds the same number of pages, so every layer has one token capacity. A page need not
 hold a whole number of rows (a row is heads * head_dim * itemsize bytes of one token in one layer), so
 capacity is `floor(mapped_bytes / row_bytes)`, rounded down to `row_multiple` (the allocator's page size
-in tokens). Shrinking is allowed only over rows the caller confirms are free.
+in tokens); the initial and maximum capacities are at least the rows asked for. Shrinking is allowed
+only over rows the caller confirms are free.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
 from vamp_sglang.memory.journal import Journal, atomic
-from vamp_sglang.memory.layout import kv_rows_for_bytes
+from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes
 from vamp_sglang.memory.region import PagedRegion, bytes_checksum
 
 
@@ -43,8 +44,8 @@ class GrowableKVBuffers:
         self.row_bytes = heads * head_dim * dtype.itemsize
         self.row_multiple = row_multiple
         gran = backend.granularity_bytes
-        self.max_pages_per_buffer = -(-max_tokens * self.row_bytes // gran)
-        initial_pages = -(-initial_tokens * self.row_bytes // gran)
+        self.max_pages_per_buffer = pages_for_rows(max_tokens, self.row_bytes, gran, row_multiple)
+        initial_pages = pages_for_rows(initial_tokens, self.row_bytes, gran, row_multiple)
         self._regions: list[PagedRegion] = []
         try:
             for _ in range(2 * layers):
@@ -62,6 +63,17 @@ class GrowableKVBuffers:
             raise
         rows = self.rows_for_pages(initial_pages)
         self._buffers = [r.view(dtype, (rows, heads, head_dim)) for r in self._regions]
+
+    @classmethod
+    def for_layout(cls, backend: PageBackend, layout: ExpertLayout, layers: int, heads: int, head_dim: int,
+                   dtype: torch.dtype, initial_tokens: int, row_multiple: int = 1) -> GrowableKVBuffers:
+        """Buffers whose reservation holds the pool at the layout's offload bound (paper IV-C)."""
+        gran = backend.granularity_bytes
+        row_bytes = heads * head_dim * dtype.itemsize
+        pages = pages_for_rows(initial_tokens, row_bytes, gran, row_multiple) + kv_pages_per_buffer(
+            layout.bound_groups, layout.pages_freed_per_group, 2 * layers)
+        max_tokens = kv_rows_for_bytes(pages * gran, row_bytes, row_multiple)
+        return cls(backend, layers, heads, head_dim, dtype, initial_tokens, max_tokens, row_multiple)
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
@@ -142,3 +154,11 @@ class GrowableKVBuffers:
             region.regrow(tensor, shape)
         journal.record(lambda: [region.regrow(t, (old_rows, self.heads, self.head_dim))
                                 for region, t in zip(self._regions, self._buffers)])
+
+
+def pages_for_rows(rows: int, row_bytes: int, granularity_bytes: int, row_multiple: int) -> int:
+    """Fewest pages per buffer whose capacity (whole rows, rounded to row_multiple) reaches `rows`."""
+    pages = -(-rows * row_bytes // granularity_bytes)
+    while kv_rows_for_bytes(pages * granularity_bytes, row_bytes, row_multiple) < rows:
+        pages += 1
+    return pages
