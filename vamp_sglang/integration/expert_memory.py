@@ -1,0 +1,267 @@
+"""Expert memory becomes KV memory inside one SGLang scheduler process (paper IV-C, IV-D, V-A, V-B).
+
+`ExpertMemory` is the API the decision layer calls (`headroom_groups`, `tokens_for`, `offload`,
+`restorable_groups`, `restore`); each remap is a transaction of the memory layer's `Repartitioner`
+whose last step publishes the new pool size to SGLang (allocator free list and every size copy), so
+a failure anywhere leaves SGLang, the KV rows and the expert bytes as they were.
+
+The hooks build it in three steps, all in the scheduler process:
+1. after `ModelRunner.initialize` (model loaded, before KV sizing and graph capture): the experts are
+   rebuilt over paged memory (`moe_staging.convert_experts`);
+2. when SGLang creates the KV buffers: they are laid over growable reservations (`kv_pool`);
+3. `setup_scheduler`, once the scheduler exists: the `ExpertMemory` joins the VampRuntime (its
+   `stats()` feed `/vamp/stats`) and `--vamp-initial-offload-ratio` is applied.
+With `--vamp-max-offload-ratio 0` none of this happens and every hook passes straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vamp_sglang.config import VampConfig
+from vamp_sglang.integration import kv_pool, moe_staging
+from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.integration.kv_pool import GrowablePool
+from vamp_sglang.integration.moe_staging import ModelExperts
+from vamp_sglang.memory.backend import PageBackend, select_backend
+from vamp_sglang.memory.kv_buffers import KVShrinkError
+from vamp_sglang.memory.repartition import Repartitioner
+
+logger = logging.getLogger(__name__)
+
+
+class ExpertMemory:
+    """One scheduler's expert-to-KV repartitioning, in KV tokens and expert groups per eligible layer."""
+
+    def __init__(self, experts: ModelExperts, pool: GrowablePool, allocator: Any,
+                 publish: Callable[[], dict[str, int]], quiesce: Callable[[], None]) -> None:
+        """`publish()` refreshes SGLang's copies of the pool size after the allocator changed and returns
+        them; `quiesce()` waits until no forward can touch the pages about to move."""
+        kv_pool.check_allocator(allocator, pool)
+        self.experts, self.pool, self.allocator = experts, pool, allocator
+        self._publish, self._quiesce = publish, quiesce
+        self.layout = experts.layout
+        self._target_tokens = pool.pool.size  # the SGLang pool size the running transaction publishes
+        self.remap_s = 0.0
+        self.size_snapshots: dict[str, int] = {}
+        self.repartitioner = Repartitioner(self.layout, experts.stores, pool.kv, self._on_pool_resize,
+                                           tail_is_free=self._tail_is_free, staging=experts.engine)
+
+    # ---- the API the decision layer uses ---------------------------------------------------------
+
+    @property
+    def offloaded_groups(self) -> int:
+        return self.repartitioner.offloaded_groups
+
+    @property
+    def pool_tokens(self) -> int:
+        return int(self.allocator.size)
+
+    def headroom_groups(self) -> int:
+        """Groups per eligible layer that may still be offloaded (offload bound, paper IV-C)."""
+        return self.layout.bound_groups - self.offloaded_groups
+
+    def tokens_for(self, n_groups: int) -> int:
+        """KV tokens this rank gains by offloading `n_groups` more groups per eligible layer (read-only)."""
+        self._check_groups("n_groups", n_groups, self.headroom_groups())
+        return self._max_tokens_at(self.offloaded_groups + n_groups) - self.pool_tokens
+
+    def offload(self, n_groups: int, tokens: int) -> None:
+        """Transaction: offload `n_groups` groups from every eligible layer and grow the pool by exactly
+        `tokens` (the amount the ranks agreed on, <= tokens_for(n_groups)); or raise and change nothing."""
+        gain = self.tokens_for(n_groups)
+        if not isinstance(tokens, int) or not 0 <= tokens <= gain or (n_groups == 0 and tokens):
+            raise ValueError(f"tokens must be an integer in [0, tokens_for({n_groups}) = {gain}] (got {tokens!r})")
+        if n_groups:
+            self._remap(lambda: self.repartitioner.offload(n_groups), self.pool_tokens + tokens)
+
+    def restorable_groups(self) -> int:
+        """Groups that can come back now: the KV tail ids they would take are all free."""
+        free_from = kv_pool.free_tail_start(self.allocator)
+        n = 0
+        while n < self.offloaded_groups and self._size_after_restore(n + 1) >= free_from:
+            n += 1
+        return n
+
+    def restore(self, n_groups: int) -> int:
+        """Transaction: bring `n_groups` groups back into every eligible layer; returns the KV tokens
+        the pool lost. Refused (KVShrinkError, nothing changed) unless the dropped tail ids are free."""
+        self._check_groups("n_groups", n_groups, self.offloaded_groups)
+        if n_groups == 0:
+            return 0
+        old, new = self.pool_tokens, self._size_after_restore(n_groups)
+        self._remap(lambda: self.repartitioner.restore(n_groups), new)
+        return old - new
+
+    def stats(self) -> dict[str, Any]:
+        lay, rep = self.layout, self.repartitioner.stats()
+        staging = self.experts.engine.stats()
+        return {
+            "experts": {"eligible_layers": rep.eligible_layers, "groups_per_layer": rep.groups_per_layer,
+                        "shards_per_group": rep.group_experts, "offloaded_groups": rep.offloaded_groups,
+                        "max_groups": rep.bound_groups, "offload_ratio": rep.offload_ratio,
+                        "reclaimed_bytes": rep.reclaimed_bytes, "spare_bytes": rep.spare_bytes,
+                        "remap_s": round(self.remap_s, 6), "page_backend": self.experts.backend.name,
+                        "graphs_allowed": moe_staging.graphs_allowed(self.experts)},
+            "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups),
+                        "buffer_rows": self.pool.kv.token_capacity, "size_snapshots": dict(self.size_snapshots)},
+            "staging": {"wait_s": round(staging.wait_s, 6), "bytes": staging.bytes_staged,
+                        "copies": staging.copies, "stalls": staging.stalls},
+        }
+
+    # ---- inside a transaction --------------------------------------------------------------------
+
+    def _remap(self, move: Callable[[], int], target_tokens: int) -> None:
+        self._quiesce()
+        start = time.perf_counter()
+        self._target_tokens = target_tokens
+        try:
+            move()
+        finally:
+            self._target_tokens = self.pool_tokens
+            self.remap_s += time.perf_counter() - start
+
+    def _on_pool_resize(self, old_rows: int, new_rows: int) -> None:
+        """The transaction's last step: SGLang sees the new size (raising here rolls the remap back)."""
+        new, old = self._target_tokens, self.pool_tokens
+        if new > self.pool.size_for_rows(new_rows):
+            raise KVShrinkError(f"pool size {new} does not fit the {new_rows} mapped rows")
+        try:
+            self._resize_sglang(old, new)
+        except BaseException:
+            self._resize_sglang(self.pool_tokens, old, zero_new_rows=False)  # then the pages move back
+            raise
+
+    def _resize_sglang(self, old: int, new: int, zero_new_rows: bool = True) -> None:
+        if new < old:
+            kv_pool.shrink_allocator(self.allocator, new)  # checks the dropped ids are free first
+        self.pool.resize(new, zero_new_rows)
+        if new > old:
+            kv_pool.grow_allocator(self.allocator, new)
+        self.size_snapshots = self._publish()
+
+    def _tail_is_free(self, first_row: int, end_row: int) -> bool:
+        """Rows past the new buffer end may be dropped only if SGLang's ids there are free."""
+        new_size = min(self.pool_tokens, self.pool.size_for_rows(first_row))
+        return kv_pool.free_tail_start(self.allocator) <= new_size
+
+    def _size_after_restore(self, n_groups: int) -> int:
+        return min(self.pool_tokens, self._max_tokens_at(self.offloaded_groups - n_groups))
+
+    def _max_tokens_at(self, offloaded_groups: int) -> int:
+        return self.pool.size_for_rows(self.repartitioner.tokens_at(offloaded_groups))
+
+    @staticmethod
+    def _check_groups(name: str, value: int, most: int) -> None:
+        if not isinstance(value, int) or not 0 <= value <= most:
+            raise ValueError(f"{name} must be an integer in [0, {most}] (got {value!r})")
+
+
+# ---- per-process state and the hooks --------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Process:
+    """What this scheduler process built so far (one scheduler, one target model per process)."""
+
+    backend: PageBackend
+    experts: ModelExperts
+    pool: GrowablePool | None = None
+    memory: ExpertMemory | None = None
+
+
+_process: _Process | None = None
+
+
+def current_memory() -> ExpertMemory | None:
+    """This process's ExpertMemory, or None when VAMP is off here."""
+    return _process.memory if _process is not None else None
+
+
+def _after_model_runner_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    global _process
+    config = VampConfig.from_env()
+    if config is None or not config.enabled or runner.is_draft_worker:
+        return
+    if _process is not None:
+        raise RuntimeError("vamp: a second target model in one scheduler process is not supported")
+    backend = select_backend(config.page_backend, moe_staging.expert_device(runner.model))
+    experts = moe_staging.convert_experts(runner.model, backend, config.max_offload_ratio)
+    _process = _Process(backend, experts)
+    lay = experts.layout
+    logger.info("vamp: experts paged: %d eligible layers x %d groups of %d experts, bound %d groups, "
+                "%d bytes per group step, backend %s", len(lay.eligible_layer_ids), lay.groups_per_layer,
+                lay.group_experts, lay.bound_groups, lay.bytes_freed_per_group, backend.name)
+
+
+def _around_create_buffers_normal(original: Callable, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    if _process is None or _process.pool is not None:
+        return original(pool, *args, **kwargs)
+    _process.pool = kv_pool.lay_pool_over_growable(pool, _process.backend, _process.experts.layout)
+    return None
+
+
+def _before_forward_raw(runner: Any, *args: Any, **kwargs: Any) -> None:
+    if _process is not None and not runner.is_draft_worker:
+        _process.experts.engine.begin_forward()
+
+
+def _around_run_moe_core(original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:
+    if _process is None:
+        return original(layer, *args, **kwargs)
+    return moe_staging.run_moe_core_staged(_process.experts, original, layer, *args, **kwargs)
+
+
+def _around_can_run_graph(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    if _process is not None and not moe_staging.graphs_allowed(_process.experts):
+        return False
+    return original(runner, *args, **kwargs)
+
+
+def setup_scheduler(scheduler: Any, runtime: Any) -> None:
+    """Create this scheduler's ExpertMemory, hand it to the runtime, apply the initial offload."""
+    if _process is None:
+        return
+    if _process.pool is None:
+        raise kv_pool.UnsupportedPoolError("vamp: the experts are paged but SGLang built its KV pool "
+                                           "without MHATokenToKVPool._create_buffers_normal")
+    device = _process.backend.device
+    memory = ExpertMemory(_process.experts, _process.pool, scheduler.token_to_kv_pool_allocator,
+                          publish=lambda: kv_pool.publish_pool_size(scheduler),
+                          quiesce=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_op)
+    _process.memory = memory
+    memory.size_snapshots = kv_pool.size_snapshots(scheduler)
+    scheduler.vamp_expert_memory = runtime.expert_memory = memory
+    runtime.extensions.append(memory)
+    n = memory.layout.groups_for_ratio(runtime.config.initial_offload_ratio)
+    if n:
+        memory.offload(n, memory.tokens_for(n))
+    logger.info("vamp: KV pool %d tokens (%d at start, up to %d); %d groups offloaded at start",
+                memory.pool_tokens, _process.pool.baseline_tokens, memory.stats()["kv_pool"]["max_tokens"], n)
+
+
+def _no_op() -> None:
+    pass
+
+
+_MR = "sglang.srt.model_executor.model_runner.ModelRunner"
+HOOKS = [
+    Hook(f"{_MR}.initialize", "after", _after_model_runner_initialize,
+         "page the experts once the model is loaded, before KV sizing and graph capture"),
+    Hook("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
+         _around_create_buffers_normal, "lay the KV buffers over reservations that grow in place"),
+    Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,
+         "start staging the first eligible layer's offloaded experts at forward start"),
+    Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "around", _around_run_moe_core,
+         "wait for a layer's staged experts before its MoE kernel, prefetch the next layer after"),
+    *[Hook(target, "around", _around_can_run_graph,
+           "no graph replay while experts are offloaded: captured graphs skip the staging copies")
+      for target in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+                     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
+                     "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph")],
+]

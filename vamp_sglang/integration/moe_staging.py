@@ -1,0 +1,141 @@
+"""Every FusedMoE layer's experts rebuilt over reserved virtual ranges, and staging around its MoE kernel.
+
+Paper IV-C: an eligible layer's high-index expert groups can leave only if its `w13_weight` / `w2_weight`
+live on pages that can be unmapped; `convert_experts` rebuilds them over the memory layer's
+`ExpertStore` (first MoE layer resident, host copies of the offloadable groups made once) right after
+SGLang loaded the model, before the KV pool is sized and graphs are captured, so both see the final
+addresses. Layers are converted one at a time and each original tensor is dropped at once, so peak
+memory grows by one layer, not by the model.
+
+Paper V-B: offloaded experts are read from a staging slot aliased into the tensor's offloaded range.
+`run_moe_core_staged` waits for the layer's copy right before its MoE kernel and starts the copy for
+the next eligible layer right after it; `begin_forward` starts the first copy at forward start. CUDA
+graphs replay without these hooks, so graph replay is refused while any expert is offloaded
+(`graphs_allowed`); the model then runs eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vamp_sglang.memory.backend import PageBackend
+from vamp_sglang.memory.experts import ExpertStore
+from vamp_sglang.memory.layout import ExpertLayout
+from vamp_sglang.memory.staging import StagingBuffers, StagingEngine
+
+
+class ExpertConversionError(RuntimeError):
+    """The model's MoE layers cannot be rebuilt over paged memory; the message names the layer."""
+
+
+@dataclass(eq=False)
+class ModelExperts:
+    """One model's paged experts: the layout, one store per eligible layer, the staging engine."""
+
+    backend: PageBackend
+    layout: ExpertLayout
+    staging_buffers: StagingBuffers
+    stores: list[ExpertStore]
+    engine: StagingEngine
+    layers: dict[int, Any] = field(default_factory=dict)  # eligible layer_id -> its FusedMoE module
+
+    @property
+    def offloaded_groups(self) -> int:
+        return self.stores[0].offloaded_groups if self.stores else 0
+
+    def close(self) -> None:
+        self.engine.close()
+        for store in self.stores:
+            store.close()
+        self.staging_buffers.close()
+
+
+def find_moe_layers(model: torch.nn.Module) -> list[Any]:
+    """The model's FusedMoE modules in forward (layer_id) order."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    layers = sorted((m for m in model.modules() if isinstance(m, FusedMoE)), key=lambda m: m.layer_id)
+    ids = [m.layer_id for m in layers]
+    if len(set(ids)) != len(ids):
+        raise ExpertConversionError(f"FusedMoE layer ids {ids} are not unique")
+    return layers
+
+
+def expert_device(model: torch.nn.Module) -> torch.device:
+    """Where the experts live (the page backend must serve this device)."""
+    layers = find_moe_layers(model)
+    if not layers:
+        raise ExpertConversionError("the model has no FusedMoE layer; VAMP needs an MoE model")
+    return layers[0].w13_weight.device
+
+
+def _check_layer(layer: Any, reference: Any, device: torch.device) -> None:
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    where = f"MoE layer {layer.layer_id}"
+    if not isinstance(layer.quant_method, UnquantizedFusedMoEMethod):
+        raise ExpertConversionError(f"{where}: quant method {type(layer.quant_method).__name__} is not "
+                                    f"supported (VAMP pages unquantized experts only)")
+    for name in ("w13_weight", "w2_weight"):
+        t, ref = getattr(layer, name), getattr(reference, name)
+        if t.dim() != 3 or t.shape != ref.shape or t.dtype != ref.dtype or not t.is_contiguous():
+            raise ExpertConversionError(f"{where}: {name} {tuple(t.shape)} {t.dtype} differs from layer "
+                                        f"{reference.layer_id}'s {tuple(ref.shape)} {ref.dtype} or is strided")
+        if t.device.type != device.type:
+            raise ExpertConversionError(f"{where}: {name} is on {t.device}, the page backend serves {device}")
+
+
+def compute_layout(layers: list[Any], granularity_bytes: int, max_offload_ratio: float) -> ExpertLayout:
+    """The expert layout of these layers on this rank (paper IV-C, V-A)."""
+    w13, w2 = layers[0].w13_weight, layers[0].w2_weight
+    return ExpertLayout.compute(
+        moe_layer_ids=[m.layer_id for m in layers], local_experts=int(w13.shape[0]),
+        w13_shard_bytes=w13[0].numel() * w13.element_size(), w2_shard_bytes=w2[0].numel() * w2.element_size(),
+        granularity_bytes=granularity_bytes, max_offload_ratio=max_offload_ratio,
+        staging_capacity_shards=int(w13.shape[0]))  # the ratio bounds staging (both slots are allocated)
+
+
+def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ratio: float,
+                    staging_mode: str = "async") -> ModelExperts:
+    """Rebuild every eligible layer's w13/w2 over an ExpertStore, in place (`param.data` swap)."""
+    layers = find_moe_layers(model)
+    if not layers:
+        raise ExpertConversionError("the model has no FusedMoE layer; VAMP needs an MoE model")
+    for layer in layers:
+        _check_layer(layer, layers[0], backend.device)
+    layout = compute_layout(layers, backend.granularity_bytes, max_offload_ratio)
+    staging = StagingBuffers(backend, layout)
+    stores: list[ExpertStore] = []
+    eligible = [m for m in layers if layout.eligible_index(m.layer_id) is not None]
+    for layer in eligible:
+        alias_w13, alias_w2 = staging.alias_pages(layer.layer_id)
+        store = ExpertStore(backend, layout, layer.layer_id, layer.w13_weight.data, layer.w2_weight.data,
+                            alias_w13, alias_w2)
+        stores.append(store)
+        layer.replace_expert_tensor("w13_weight", store.w13)  # the original storage is freed here
+        layer.replace_expert_tensor("w2_weight", store.w2)
+        if backend.device.type == "cuda":
+            torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
+    engine = StagingEngine(stores, mode=staging_mode)
+    return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible})
+
+
+# ---- the forward path ------------------------------------------------------------------------------
+
+def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:
+    """`FusedMoE.run_moe_core` with the layer's staging wait before and the next prefetch after."""
+    if experts.layers.get(layer.layer_id) is not layer:  # resident first layer, or another model's layer
+        return original(layer, *args, **kwargs)
+    experts.engine.before_moe(layer.layer_id)
+    out = original(layer, *args, **kwargs)
+    experts.engine.after_moe(layer.layer_id)
+    return out
+
+
+def graphs_allowed(experts: ModelExperts | None) -> bool:
+    """A captured graph would read stale staging slots: replay only while nothing is offloaded."""
+    return experts is None or experts.offloaded_groups == 0
