@@ -25,7 +25,7 @@ import torch
 
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
-from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer
+from vamp_sglang.memory.layout import ExpertLayout
 
 # Every by-value copy of the pool size, refreshed by `publish_pool_size` (owner: attribute).
 SIZE_COPIES = (
@@ -100,14 +100,9 @@ def lay_pool_over_growable(pool: Any, backend: PageBackend, layout: ExpertLayout
     """Build the pool's buffers over reservations large enough for the offload bound (replaces
     `MHATokenToKVPool._create_buffers_normal`); the backend is the one the expert pages live in."""
     check_pool(pool)
-    layers, gran = int(pool.layer_num), backend.granularity_bytes
-    row_bytes = pool.head_num * pool.head_dim * pool.store_dtype.itemsize
-    initial_rows = pool.size + pool.page_size
-    initial_pages = -(-initial_rows * row_bytes // gran)
-    extra_pages = kv_pages_per_buffer(layout.bound_groups, layout.pages_freed_per_group, 2 * layers)
-    max_rows = -(-(initial_pages + extra_pages) * gran // row_bytes)
-    kv = GrowableKVBuffers(backend, layers, pool.head_num, pool.head_dim, pool.store_dtype,
-                           initial_tokens=initial_rows, max_tokens=max_rows, row_multiple=pool.page_size)
+    kv = GrowableKVBuffers.for_layout(backend, layout, int(pool.layer_num), pool.head_num, pool.head_dim,
+                                      pool.store_dtype, initial_tokens=pool.size + pool.page_size,
+                                      row_multiple=pool.page_size)
     for buffer in [*kv.k_buffers, *kv.v_buffers]:
         buffer.zero_()
     return GrowablePool(pool, kv)
