@@ -1,0 +1,17 @@
+"""The value-aware radix cache's logic, kept free of SGLang and torch so it is testable alone.
+
+Per-node reuse statistics (`NodeStats`) and the admission ledger behind the observed hit rate, the
+C_c eviction order (`CostOrder`, paper Eq. 2), the read-only walk that predicts what an eviction
+would free and cost (`walk`), and the histograms `/vamp/stats` reports. The SGLang tree these
+run on is built in `vamp_sglang.integration.radix`.
+"""
+
+from vamp_sglang.cache.histogram import pow2_histogram
+from vamp_sglang.cache.node_stats import AdmissionLedger, NodeStats
+from vamp_sglang.cache.ordering import CostOrder
+from vamp_sglang.cache.walk import EvictableTree, EvictionEstimate, estimate, eviction_order
+
+__all__ = [
+    "AdmissionLedger", "CostOrder", "EvictableTree", "EvictionEstimate", "NodeStats", "estimate",
+    "eviction_order", "pow2_histogram",
+]
