@@ -1,0 +1,125 @@
+"""Targeted checks of VampTreeCore in SGLang's real cache: registration, stats life cycle, order."""
+
+import argparse
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+from sglang.srt.runtime_context import publish, reset_context
+from sglang.srt.server_args import ServerArgs
+
+from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401 (fixture)
+from vamp_sglang.integration import radix
+
+
+def insert(cache, allocator, tokens):
+    cache.insert(InsertParams(key=key_of(tokens), value=allocator.alloc(len(tokens))))
+
+
+def admit(cache, tokens):
+    match = cache.match_prefix(MatchPrefixParams(key=key_of(tokens)))
+    radix.tree_core_of(cache).record_admission(match.last_device_node, match.device_prefix_len, len(tokens),
+                                               first=True)
+
+
+def node_for(cache, tokens):
+    match = cache.match_prefix(MatchPrefixParams(key=key_of(tokens)))
+    return radix.tree_core_of(cache).node_by_id(match.last_device_node)
+
+
+def test_registries_build_our_tree_from_server_flags():
+    radix.install([])
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "dummy", "--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"])
+    args = ServerArgs(model_path="dummy", device="cpu", radix_cache_backend=ns.radix_cache_backend,
+                      radix_eviction_policy=ns.radix_eviction_policy)
+    reset_context()
+    publish(args, role="tokenizer")
+    _, allocator = build_cache(page_size=1)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
+                             page_size=1, eviction_policy="vamp")
+    cache = create_tree_cache(TreeCacheBuildContext(
+        server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+        disable_radix_cache=False, tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None))
+    assert type(cache) is radix.VampUnifiedRadixCache
+    assert type(cache.tree_core.eviction_strategy) is radix.VampStrategy
+
+
+def test_install_is_idempotent_and_adds_the_admission_hook_once():
+    hooks: list = []
+    radix.install(hooks)
+    radix.install(hooks)
+    assert [h.target for h in hooks] == [
+        "sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission"]
+
+
+def test_policy_without_our_tree_fails_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="needs --radix-cache-backend vamp"):
+        radix.VampStrategy().get_priority(object())
+    cache, _ = build_cache(page_size=1, policy="lru")
+    with pytest.raises(TypeError, match="--radix-cache-backend vamp"):
+        radix.radix_stats(type("Plain", (), {"tree_core": object()})())
+    assert radix.radix_stats(cache)["node_count"] == 0  # our core under the stock LRU order is fine
+
+
+def test_split_keeps_stats_and_insert_refreshes_recency():
+    cache, allocator = build_cache(page_size=1)
+    step = [7]
+    radix.bind_step_source(cache, lambda: step[0])
+    insert(cache, allocator, list(range(10)))
+    admit(cache, list(range(10)))
+    step[0] = 50
+    insert(cache, allocator, [0, 1, 2, 3, 99])  # splits [0..9] into [0..3] + [4..9]
+    prefix, tail = node_for(cache, [0, 1, 2, 3]), node_for(cache, list(range(10)))
+    assert tail.parent is prefix
+    assert (prefix.vamp_stats.hits, tail.vamp_stats.hits) == (1, 1)
+    assert prefix.vamp_stats.last_step == 50  # the insert wrote through it
+    assert tail.vamp_stats.created_step == prefix.vamp_stats.created_step == 7
+    assert node_for(cache, [0, 1, 2, 3, 99]).vamp_stats.created_step == 50
+
+
+def scenario(policy: str) -> tuple[set, dict]:
+    """A 16-token session prefix reused three times, then 16-token one-shot prompts fill the pool."""
+    cache, allocator = build_cache(page_size=1, policy=policy)
+    step = [0]
+    radix.bind_step_source(cache, lambda: step[0])
+    session = list(range(1000, 1016))
+    insert(cache, allocator, session)
+    for _ in range(3):
+        step[0] += 5
+        admit(cache, session)
+    one_shots = [list(range(k * 100, k * 100 + 16)) for k in range(3)]
+    for prompt in one_shots:
+        step[0] += 10
+        admit(cache, prompt)
+        insert(cache, allocator, prompt)
+    predicted = radix.eviction_plan(cache, 16)
+    cache.evict(EvictParams(num_tokens=16))
+    kept = {name for name, tokens in [("session", session)] + [(f"one-shot {i}", p) for i, p in enumerate(one_shots)]
+            if cache.match_prefix(MatchPrefixParams(key=key_of(tokens))).device_prefix_len == len(tokens)}
+    return kept, {"predicted": predicted, "stats": radix.radix_stats(cache)}
+
+
+def test_cost_order_keeps_the_reused_session_where_lru_evicts_it():
+    kept_vamp, info = scenario("vamp")
+    kept_lru, _ = scenario("lru")
+    assert kept_vamp == {"session", "one-shot 1", "one-shot 2"}
+    assert kept_lru == {"one-shot 0", "one-shot 1", "one-shot 2"}
+    assert info["predicted"].tokens == 16 and info["stats"]["evicted_tokens"] == 16
+
+
+def test_radix_stats_report_sizes_reuse_and_evictions_only():
+    _, info = scenario("vamp")
+    stats = info["stats"]
+    assert set(stats) == {"node_count", "cached_tokens", "evictable_tokens", "protected_tokens", "admissions",
+                          "hit_tokens", "requested_tokens", "hit_rate", "hits_histogram", "age_histogram_steps",
+                          "evicted_tokens"}
+    assert (stats["node_count"], stats["cached_tokens"], stats["evictable_tokens"]) == (3, 48, 48)
+    assert (stats["admissions"], stats["hit_tokens"], stats["requested_tokens"]) == (6, 48, 96)
+    assert stats["hits_histogram"]["2-3"] == 1 and stats["hits_histogram"]["0"] == 2
+    assert sum(stats["age_histogram_steps"].values()) == 3
+    candidates = radix.eviction_candidates(radix_cache := build_cache(1)[0], 5)
+    assert candidates == [] and radix.estimate_eviction(radix_cache, 10) == (0, 0.0)

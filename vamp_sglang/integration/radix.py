@@ -1,0 +1,287 @@
+"""SGLang's radix tree with reuse statistics and C_c-ordered eviction (`--radix-cache-backend vamp`).
+
+SGLang 0.5.23 builds `UnifiedRadixCache` over a pluggable tree core; its default Rust core takes
+only the eight built-in eviction policies by name, so `VampTreeCore` subclasses the Python core
+(`UnifiedTreeCore`, the one SGLang itself uses for sessions and KV sharding) and adds per-node
+`NodeStats`. Everything else stays SGLang's: the tree walk, locks, HiCache tiers, session refs and
+paging. Registration goes through SGLang's own registries:
+
+    --radix-cache-backend vamp      VampUnifiedRadixCache over VampTreeCore (stats, estimates)
+    --radix-eviction-policy vamp    evict by C_c per token (cache/ordering.py); needs the backend
+
+Hits are counted by an AFTER hook on `PrefillAdder._commit_prefill_admission`, walking the locked
+`req.last_node` to the root, rather than by SGLang's insert-time `hit_count`: the insert counter
+runs when a request is CACHED (after prefill or at finish), so a prefix that waiting requests are
+about to reuse shows no hit until they finish, HiCache write-back mode skips it entirely, and a
+chunked request bumps it once per chunk insert. Admission is exactly "a request reused this prefix".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from vamp_sglang.cache import (
+    AdmissionLedger,
+    CostOrder,
+    EvictionEstimate,
+    NodeStats,
+    estimate,
+    eviction_order,
+    pow2_histogram,
+)
+from vamp_sglang.config import VampConfig
+from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.policy.costs import Coefficients
+
+NAME = "vamp"  # the backend, tree-core and eviction-policy name
+_FULL = ComponentType.FULL
+HITS_HISTOGRAM_TOP = 64
+AGE_HISTOGRAM_TOP_STEPS = 65536
+
+
+class VampStrategy(EvictionStrategy):
+    """`--radix-eviction-policy vamp`: the priority comes from the tree core that owns the stats."""
+
+    def __init__(self) -> None:
+        self._priority: Callable[[UnifiedTreeNode], tuple] | None = None
+
+    def bind(self, priority: Callable[[UnifiedTreeNode], tuple]) -> None:
+        self._priority = priority
+
+    def get_priority(self, node: UnifiedTreeNode) -> tuple:
+        if self._priority is None:
+            raise RuntimeError("--radix-eviction-policy vamp needs --radix-cache-backend vamp "
+                               "(only that tree keeps the hit and recency statistics it orders by)")
+        return self._priority(node)
+
+
+class VampTreeCore(UnifiedTreeCore):
+    """SGLang's Python tree core plus `node.vamp_stats` on every node and the admission ledger."""
+
+    def __init__(self, params: Any, components: dict, order: CostOrder) -> None:
+        # set before super().__init__: reset() already creates the root through _new_node
+        self.vamp_order = order
+        self.vamp_step_fn: Callable[[], int] = lambda: 0
+        self.vamp_ledger = AdmissionLedger()
+        self.vamp_evicted_tokens = 0
+        super().__init__(params, components)
+        if isinstance(self.eviction_strategy, VampStrategy):
+            self.eviction_strategy.bind(self.vamp_priority)
+
+    def now_steps(self) -> int:
+        return int(self.vamp_step_fn())
+
+    # --- statistics kept through SGLang's own node life cycle ------------------------------------
+    def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
+        node = super()._new_node(priority)
+        node.vamp_stats = NodeStats(self.now_steps())
+        return node
+
+    def _split_node(self, key: Any, child: UnifiedTreeNode, split_len: int) -> tuple:
+        new_node, action = super()._split_node(key, child, split_len)
+        new_node.vamp_stats = child.vamp_stats.copy()
+        return new_node, action
+
+    def _touch_node(self, node: UnifiedTreeNode) -> None:
+        super()._touch_node(node)  # insert walks touch every node they write through
+        node.vamp_stats.touch(self.now_steps())
+
+    def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
+        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now)."""
+        now = self.now_steps()
+        node = self.node_by_id(node_id)
+        while node is not None and node is not self.root_node:
+            node.vamp_stats.admit(now, count_hit=first)
+            node = node.parent
+        if first:
+            self.vamp_ledger.record(hit_tokens, requested_tokens)
+
+    # --- cost view --------------------------------------------------------------------------------
+    def node_tokens(self, node: UnifiedTreeNode) -> int:
+        return self.components_by_type[_FULL].reclaimable_value_len(node)
+
+    def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
+        return self.vamp_order.priority(self.node_tokens(node), node.vamp_stats, self.now_steps(),
+                                        self.vamp_ledger.hit_rate)
+
+    def node_cost_s(self, node: UnifiedTreeNode) -> float:
+        return self.vamp_order.cost_s(self.node_tokens(node), node.vamp_stats, self.now_steps(),
+                                      self.vamp_ledger.hit_rate)
+
+    def device_nodes(self) -> list[UnifiedTreeNode]:
+        return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]
+
+
+class VampUnifiedRadixCache(UnifiedRadixCache):
+    """SGLang's unified cache over `VampTreeCore`; only counts what eviction freed."""
+
+    def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
+        self.tree_core.vamp_evicted_tokens += num_evicted
+        super().update_eviction_metrics(num_evicted, start_time)
+
+
+class _DeviceTreeView:
+    """`cache.walk.EvictableTree` over a live `VampTreeCore`, reading only (FULL device tier)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+        full = core.components_by_type[_FULL]
+        # the same key FullComponent heaps by: session refs first when sessions are on
+        self.priority = full.session_ref_eviction_strategy or core.eviction_strategy.get_priority
+
+    def evictable_leaves(self) -> set[UnifiedTreeNode]:
+        return self.core.evictable_device_leaves
+
+    def tokens(self, node: UnifiedTreeNode) -> int:
+        return self.core.node_tokens(node)
+
+    def parent_if_leaf_after(self, node: UnifiedTreeNode, removed: set) -> UnifiedTreeNode | None:
+        """Mirrors `UnifiedTreeCore._is_device_leaf` with `removed` treated as evicted."""
+        parent = node.parent
+        if parent is None or parent is self.core.root_node or parent.evicted:
+            return None
+        if any(cd.lock_ref > 0 for cd in parent.component_data):
+            return None
+        if any(c not in removed and c.component_data[_FULL].value is not None for c in parent.children.values()):
+            return None
+        return parent
+
+
+# --- public API ------------------------------------------------------------------------------------
+def tree_core_of(tree_cache: Any) -> VampTreeCore:
+    core = getattr(tree_cache, "tree_core", None)
+    if not isinstance(core, VampTreeCore):
+        raise TypeError(f"expected a tree built with --radix-cache-backend vamp, got {type(tree_cache).__name__} "
+                        f"with core {type(core).__name__}")
+    return core
+
+
+def bind_step_source(tree_cache: Any, step_fn: Callable[[], int]) -> None:
+    """Ages are measured with `step_fn` (the scheduler's `forward_ct`) from now on."""
+    tree_core_of(tree_cache).vamp_step_fn = step_fn
+
+
+def set_coefficients(tree_cache: Any, coefficients: Coefficients) -> None:
+    """Re-price the tree (e.g. after calibrating t_prefill online); the next eviction uses them."""
+    tree_core_of(tree_cache).vamp_order = CostOrder(coefficients)
+
+
+def eviction_candidates(tree_cache: Any, max_nodes: int) -> list[dict[str, int]]:
+    """The first `max_nodes` nodes in the order the tree would evict them, for a planner snapshot."""
+    core = tree_core_of(tree_cache)
+    now, out = core.now_steps(), []
+    for node in eviction_order(_DeviceTreeView(core)):
+        if len(out) >= max_nodes:
+            break
+        out.append({"tokens": core.node_tokens(node), "hits": node.vamp_stats.hits,
+                    "age_steps": node.vamp_stats.age_steps(now)})
+    return out
+
+
+def eviction_plan(tree_cache: Any, n_tokens: int) -> EvictionEstimate:
+    """The nodes `tree_cache.evict(EvictParams(num_tokens=n_tokens))` would free now, and their C_c."""
+    core = tree_core_of(tree_cache)
+    return estimate(_DeviceTreeView(core), n_tokens, core.node_cost_s)
+
+
+def estimate_eviction(tree_cache: Any, n_tokens: int) -> tuple[int, float]:
+    """(tokens freed, summed C_c in seconds) if the tree were asked to free `n_tokens` now; read-only."""
+    result = eviction_plan(tree_cache, n_tokens)
+    return result.tokens, result.cost_s
+
+
+def radix_stats(tree_cache: Any) -> dict[str, Any]:
+    """The `/vamp/stats` radix section: sizes, reuse and eviction counts; never token ids or text."""
+    core = tree_core_of(tree_cache)
+    nodes, now, ledger = core.device_nodes(), core.now_steps(), core.vamp_ledger
+    evictable, protected = int(core.full_evictable_size()), int(core.full_protected_size())
+    return {
+        "node_count": len(nodes),
+        "cached_tokens": evictable + protected,
+        "evictable_tokens": evictable,
+        "protected_tokens": protected,
+        "admissions": ledger.admissions,
+        "hit_tokens": ledger.hit_tokens,
+        "requested_tokens": ledger.requested_tokens,
+        "hit_rate": ledger.hit_rate,
+        "hits_histogram": pow2_histogram((n.vamp_stats.hits for n in nodes), HITS_HISTOGRAM_TOP),
+        "age_histogram_steps": pow2_histogram((n.vamp_stats.age_steps(now) for n in nodes),
+                                              AGE_HISTOGRAM_TOP_STEPS),
+        "evicted_tokens": core.vamp_evicted_tokens,
+    }
+
+
+class RadixStatsExtension:
+    """Merged into the runtime's `/vamp/stats` snapshot (`VampRuntime.extensions`)."""
+
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree_cache = tree_cache
+
+    def stats(self) -> dict[str, Any]:
+        return {"radix": radix_stats(self.tree_cache)}
+
+
+def setup_scheduler(scheduler: Any, runtime: Any) -> None:
+    """Per scheduler process, once the tree exists: step source, stats section, start-up checks."""
+    from sglang.srt.runtime_context import get_memory
+
+    tree_cache = scheduler.tree_cache
+    if not isinstance(getattr(tree_cache, "tree_core", None), VampTreeCore):
+        if get_memory().radix_eviction_policy == NAME:
+            raise RuntimeError("--radix-eviction-policy vamp needs --radix-cache-backend vamp "
+                               f"(this scheduler built {type(tree_cache).__name__})")
+        return
+    bind_step_source(tree_cache, lambda: scheduler.forward_ct)
+    runtime.extensions.append(RadixStatsExtension(tree_cache))
+
+
+# --- registration ----------------------------------------------------------------------------------
+def _after_prefill_admission(result: Any, adder: Any, req: Any, admission: Any, *args: Any, **kw: Any) -> None:
+    core = getattr(adder.tree_cache, "tree_core", None)
+    if isinstance(core, VampTreeCore):
+        core.record_admission(req.last_node, int(admission.prefix_len), len(req.full_untruncated_fill_ids),
+                              first=not req.retracted_stain)
+
+
+HOOKS = [
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission", "after",
+         _after_prefill_admission, "radix node hits and recency, once per admitted request"),
+]
+
+
+def _build_cache(ctx: Any) -> VampUnifiedRadixCache:
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    ctx.params.tree_core_backend = NAME
+    return create_unified_radix_cache(ctx, cache_class=VampUnifiedRadixCache)
+
+
+def install(hooks: list[Hook]) -> None:
+    """Register backend, tree core and eviction policy with SGLang (idempotent) and append our hooks.
+
+    Runs in every SGLang process (the HTTP process needs the policy name to parse its flags; the
+    scheduler needs the factories). `hooks` is the plugin's list it hands to `register_all`.
+    """
+    from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
+    from sglang.srt.mem_cache import utils as mem_cache_utils
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+        get_tree_core_factory,
+        register_tree_core_backend,
+    )
+
+    order = CostOrder(Coefficients.from_config(VampConfig.from_env() or VampConfig()))
+    if NAME not in RADIX_EVICTION_POLICY_CHOICES:
+        add_radix_eviction_policy_choices([NAME])
+    mem_cache_utils._EVICTION_POLICY_FACTORIES[NAME] = VampStrategy  # no public API for this dict
+    if get_tree_core_factory(NAME) is None:
+        register_tree_core_backend(NAME, lambda params, components: VampTreeCore(params, components, order))
+    if get_radix_cache_factory(NAME) is None:
+        register_radix_cache_backend(NAME, _build_cache)
+    hooks.extend(h for h in HOOKS if h not in hooks)
