@@ -64,7 +64,7 @@ class DecisionMaker:
     def coefficients(self) -> Coefficients:
         if not self.config.calibrate:
             return self.base_coefficients
-        measured = self.calibrator.apply(self.base_coefficients, self.top_k, self.memory.local_experts)
+        measured = self.calibrator.apply(self.base_coefficients, self.top_k, self.memory.layout.local_experts)
         if self.controller.world_size == 1:
             return measured
         # Timings differ between ranks and decisions must not, so ranks agree on one t_prefill.
@@ -89,8 +89,8 @@ class DecisionMaker:
             offload=OffloadState(
                 headroom_groups=headroom,
                 tokens_per_group=per_group,
-                shards_per_group=self.memory.shards_per_group if headroom else 0,
-                local_experts=self.memory.local_experts,
+                shards_per_group=self.memory.layout.group_experts if headroom else 0,
+                local_experts=self.memory.layout.local_experts,
                 top_k=self.top_k,
                 decode_budget_min=max(1, min(budgets, default=1)),
             ),

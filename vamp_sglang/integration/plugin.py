@@ -22,14 +22,17 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import runtime
+    from vamp_sglang.integration import decisions, expert_memory, radix, runtime
 
-    return [*runtime.HOOKS]
+    return [*runtime.HOOKS, *radix.HOOKS, *expert_memory.HOOKS, *decisions.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
     """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
-    return []
+    from vamp_sglang.integration import decisions, expert_memory, radix
+
+    # Order matters: the decision maker needs the tree's step source and the expert memory.
+    return [radix.setup_scheduler, expert_memory.setup_scheduler, decisions.setup_scheduler]
 
 
 def verify_hooks() -> None:
@@ -39,6 +42,9 @@ def verify_hooks() -> None:
 def register() -> None:
     if not plugin_enabled():
         return
+    from vamp_sglang.integration import radix
+
+    radix.install([])  # registry names: the HTTP process parses --radix-eviction-policy vamp too
     if _SCHEDULER_MODULE in sys.modules:
         register_all(all_hooks())
     if _HTTP_MODULE in sys.modules:
