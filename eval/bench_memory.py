@@ -10,7 +10,9 @@
             every K/V buffer, whole rows); `bound_groups` is VAMP-15 with an unconstrained staging buffer.
   staging   a forward over the tiny model's MoE layers (plain-torch per-expert loop, like SGLang's
             moe_forward_native) with 0% and 25% offloaded, staging synchronously before each layer or
-            one layer ahead on a worker thread; `hidden` = share of the copy time the thread hides.
+            one layer ahead on a worker thread; `hidden` = share of the staging cost the thread hides,
+            `prefetch_wait_ms` = time the compute thread still blocked on a copy per forward.
+            Every timed section reports `other_cores_busy`: the box is shared.
 
     OMP_NUM_THREADS=1 .venv/bin/python eval/bench_memory.py [--quick] [--out FILE]
 
@@ -150,34 +152,48 @@ def forward_s(x, weights, tensors, engine) -> float:
 
 
 def bench_staging(tokens_list: list[int], reps: int, quiet: tuple[float, float]) -> list[dict]:
-    """Interleaved reps of: original weights (0%), 25% staged before each layer, 25% prefetched."""
+    """Interleaved reps of: original weights (0%), one forward's staging copies alone, 25% staged right
+    before each layer (sync), 25% prefetched one layer ahead on the worker thread (async)."""
     backend, weights, lay, staging, stores, kv = tiny_system(0.25, 1024)
     original = {lid: w[:2] for lid, w in weights.items()}
     paged = original | {s.layer_id: (s.w13, s.w2) for s in stores}
     for store in stores:
         store.offload_tail_pages(lay.bound_groups)  # the pages stay allocated; the alias is what matters
     engines = {mode: StagingEngine(stores, mode) for mode in ("sync", "async")}
+    runs = {"0pct": lambda x: forward_s(x, weights, original, None), "copy": lambda x: copy_s(stores),
+            "sync": lambda x: forward_s(x, weights, paged, engines["sync"]),
+            "async": lambda x: forward_s(x, weights, paged, engines["async"])}
     rows = []
     for tokens in tokens_list:
         x = torch.randn(tokens, _TINY.hidden, generator=torch.Generator().manual_seed(tokens))
-        times: dict[str, list[float]] = {"0pct": [], "sync": [], "async": []}
+        times: dict[str, list[float]] = {key: [] for key in runs}
         wait_for_quiet(*quiet)
+        before = engines["async"].stats()
         with Contention() as load:
             for rep in range(reps + 1):
-                for key, tensors, engine in (("0pct", original, None), ("sync", paged, engines["sync"]),
-                                             ("async", paged, engines["async"])):
-                    elapsed = forward_s(x, weights, tensors, engine)
+                for key, run in runs.items():
+                    elapsed = run(x)
                     if rep:
                         times[key].append(elapsed)
-        t0, ts, ta = (statistics.median(times[k]) for k in ("0pct", "sync", "async"))
-        stats = engines["async"].stats()
-        rows.append({"tokens": tokens, "offload_ratio": lay.offload_ratio(lay.bound_groups),
-                         "staged_mib_per_forward": stats.bytes_staged / stats.copies * len(stores) / MIB,
-                         "forward_ms_0pct": t0 * 1e3, "forward_ms_25pct_sync": ts * 1e3,
-                         "forward_ms_25pct_prefetch": ta * 1e3, "hidden": (ts - ta) / (ts - t0) if ts > t0 else None,
-                         "other_cores_busy": load.other_cores})
+        after = engines["async"].stats()
+        t0, tc, ts, ta = (statistics.median(times[k]) * 1e3 for k in runs)
+        rows.append({"tokens": tokens, "staged_mib_per_forward": sum(s.staged_bytes() for s in stores) / MIB,
+                     "forward_ms_0pct": t0, "copy_ms_alone": tc, "forward_ms_25pct_sync": ts,
+                     "forward_ms_25pct_prefetch": ta, "hidden": (ts - ta) / (ts - t0) if ts > t0 else None,
+                     "prefetch_wait_ms": (after.wait_s - before.wait_s) * 1e3 / (reps + 1),
+                     "stalls_per_forward": (after.stalls - before.stalls) / (reps + 1),
+                     "other_cores_busy": load.other_cores})
     close_system(backend, staging, stores, kv, *engines.values())
     return rows
+
+
+def copy_s(stores) -> float:
+    """One forward's staging copies, back to back on the calling thread."""
+    start = time.perf_counter()
+    for store in stores:
+        for dst, src in store.staging_pairs():
+            dst.copy_(src)
+    return time.perf_counter() - start
 
 
 class Contention:
@@ -241,7 +257,7 @@ def main() -> None:
     result = {
         "kv_gain": [kv_gain(name, tp) for name in CONFIGS for tp in (1, 2, 4)],
         "remap": [bench_remap(reps, populate, quiet) for populate in (True, False)],
-        "staging": bench_staging([64] if args.quick else [64, 512], reps, quiet),
+        "staging": bench_staging([64] if args.quick else [64, 512, 2048], reps, quiet),
     }
     print(table("KV tokens gained per offloaded group (2 MiB pages, VAMP-15 bound)", result["kv_gain"]))
     print()

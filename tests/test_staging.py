@@ -89,10 +89,12 @@ def test_sync_mode_matches_and_counters_add_up(model):
     stats = sync.stats()
     assert (stats.copies, stats.bytes_staged, stats.unprefetched) == (3, 3 * per_layer_bytes, 0)
     sync.close()
-    lazy = StagingEngine(stores, "async")  # no begin_forward / after_moe: each layer copies on demand
+    lazy = StagingEngine(stores, "async")  # no begin_forward: the first MoE layer starts the first copy
     for lid in LAYERS:
         lazy.before_moe(lid)
-    assert lazy.stats().unprefetched == 3
+    assert (lazy.stats().unprefetched, lazy.stats().copies) == (0, 3)
+    lazy.before_moe(1)  # a layer nobody prefetched for copies on demand
+    assert lazy.stats().unprefetched == 1
     assert lazy._executor.submit(torch.get_num_threads).result() == 1  # one intra-op thread in the worker
     lazy.close()
 
@@ -107,4 +109,20 @@ def test_drain_discards_prefetch_for_an_old_boundary(model):
     engine.drain()
     offload(stores, 6)  # the boundary moves before the forward runs
     assert torch.equal(forward(x, weights, stores, engine), reference)
+    engine.close()
+
+
+def test_next_layers_copy_is_issued_before_the_current_moe_runs(model):
+    """Figure 5: while layer N's MoE runs, layer N+1's copy is already in flight (into the other slot)."""
+    _backend, _weights, _layout, stores = model
+    offload(stores, 4)
+    engine = StagingEngine(stores, "async")
+    engine.begin_forward()
+    assert engine.stats().copies == 1  # layer 1, before the resident first MoE layer runs
+    issued = []
+    for lid in LAYERS:
+        engine.before_moe(lid)
+        issued.append(engine.stats().copies)
+        engine.after_moe(lid)
+    assert issued == [1, 2, 3, 3]  # at layer 1's MoE, layer 2's copy exists; at layer 2's, layer 3's
     engine.close()

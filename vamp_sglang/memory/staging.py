@@ -1,10 +1,14 @@
-"""Double-buffered staging of offloaded experts (paper IV-D, V-B).
+"""Double-buffered staging of offloaded experts (paper IV-D, V-B, Figure 5).
 
-Two staging slots alternate by eligible-layer parity. While MoE layer N runs, the offloaded region of
-the next eligible layer is copied from its host copy into the other slot: on a copy stream (CUDA) or a
-single worker thread (host, with one intra-op thread so it overlaps the compute thread instead of
-fighting it for cores; research/host-vmm.md section 4). The whole contiguous offloaded region is
-staged whatever the router selects (IV-D). `before_moe` waits right before the layer's MoE kernel.
+Two staging slots alternate by eligible-layer parity. As soon as MoE layer N may start (`before_moe(N)`
+has waited for N's own copy), the offloaded region of the next eligible layer is copied from its host
+copy into the other slot, so the copy overlaps layer N's MoE computation and the dense and router work
+before the next MoE layer. The other slot's last reader, eligible layer N-1, has finished by then:
+on the host the forward is synchronous; on CUDA the copy stream waits for the event `after_moe` recorded
+when that layer's MoE was enqueued. Copies run on a copy stream (CUDA) or a single worker thread (host,
+with one intra-op thread so it overlaps the compute thread instead of fighting it for cores;
+research/host-vmm.md section 4). The whole contiguous offloaded region is staged whatever the router
+selects (IV-D). The first eligible layer is prefetched at forward start (`begin_forward`).
 
 The slots' pages are aliased into each expert tensor's offloaded range (experts.py), so the copy
 destination is the expert tensor itself and the kernel reads fixed addresses. A CUDA graph captured
@@ -147,6 +151,7 @@ class StagingEngine:
         device = self._stores[0].w13.device if self._stores else torch.device("cpu")
         self._cuda = device.type == "cuda"
         self._pending: dict[int, Any] = {}  # eligible index -> Future (host) or torch.cuda.Event
+        self._slot_free: list[Any] = [None, None]  # CUDA: event after the slot's last MoE kernel
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
         if mode == "async" and self._cuda:
@@ -162,23 +167,26 @@ class StagingEngine:
             self._launch(0)
 
     def before_moe(self, layer_id: int) -> None:
-        """Block until `layer_id`'s offloaded experts are staged; no-op for resident layers."""
+        """Right before `layer_id`'s MoE kernel: block until its offloaded experts are staged, then start
+        staging the next eligible layer into the other slot (paper V-B)."""
         i = self._index.get(layer_id)
-        if i is None or self._stores[i].offloaded_groups == 0:
-            self._pending.pop(i, None)
-            return
-        if i not in self._pending:
-            self._unprefetched += self.mode == "async"
-            self._launch(i)
-        self._wait(self._pending.pop(i))
+        if i is not None and self._stores[i].offloaded_groups:
+            if i not in self._pending:
+                self._unprefetched += self.mode == "async"
+                self._launch(i)
+            self._wait(self._pending.pop(i))
+        nxt = bisect.bisect_right(self._layer_ids, layer_id)
+        if self.mode == "async" and nxt < len(self._stores):
+            self._launch(nxt)
 
     def after_moe(self, layer_id: int) -> None:
-        """Start staging the next eligible layer after `layer_id` into the other slot."""
-        if self.mode != "async":
-            return
-        nxt = bisect.bisect_right(self._layer_ids, layer_id)
-        if nxt < len(self._stores):
-            self._launch(nxt)
+        """Right after `layer_id`'s MoE kernel was issued: on CUDA, mark its slot free for the copy two
+        eligible layers later (host: the kernel already finished)."""
+        i = self._index.get(layer_id)
+        if self._stream is not None and i is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._stream.device))
+            self._slot_free[i % 2] = event
 
     def drain(self) -> None:
         """Finish and forget in-flight copies (before a remap changes the boundary)."""
@@ -203,7 +211,8 @@ class StagingEngine:
         self._bytes += store.staged_bytes()
         self._copies += 1
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # slot's last reader
+            if self._slot_free[i % 2] is not None:  # the slot's last reader is done
+                self._stream.wait_event(self._slot_free[i % 2])
             event = torch.cuda.Event()
             with torch.cuda.stream(self._stream):
                 for dst, src in pairs:
