@@ -250,10 +250,11 @@ def main() -> None:
                         help="before each timed section, wait up to this long for the rest of the machine to "
                              "use fewer than --quiet-below cores (the box is shared)")
     parser.add_argument("--quiet-below", type=float, default=0.3)
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (median reported)")
     args = parser.parse_args()
     quiet = (args.quiet_below, args.max_wait_s)
     torch.set_num_threads(1)  # the compute thread leaves the second core to the staging worker
-    reps = 2 if args.quick else 5
+    reps = 2 if args.quick else args.reps
     result = {
         "kv_gain": [kv_gain(name, tp) for name in CONFIGS for tp in (1, 2, 4)],
         "remap": [bench_remap(reps, populate, quiet) for populate in (True, False)],
