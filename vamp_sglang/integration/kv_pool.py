@@ -176,11 +176,13 @@ def publish_pool_size(scheduler: Any) -> dict[str, int]:
         info = scheduler.tp_worker.get_worker_info()
     scheduler.max_total_num_tokens, scheduler.max_req_len, scheduler.max_req_input_len = info[0], info[4], info[5]
     widened = scheduler.max_total_num_tokens * getattr(scheduler, "kv_shard_widening", 1)
-    for name in ("pool_stats_observer", "invariant_checker", "load_inquirer"):
-        if getattr(scheduler, name, None) is not None:
-            getattr(scheduler, name).max_total_num_tokens = widened
-    if getattr(scheduler, "kv_events_publisher", None) is not None:
-        scheduler.kv_events_publisher.max_total_num_tokens = scheduler.max_total_num_tokens
+    for name, value in (("pool_stats_observer", widened), ("invariant_checker", widened),
+                        ("load_inquirer", widened), ("kv_events_publisher", scheduler.max_total_num_tokens)):
+        component = getattr(scheduler, name, None)
+        if component is not None:
+            # Two of these are frozen dataclasses that other components hold by reference, so the
+            # field is rewritten in place: it is a by-value copy of a size that VAMP changes at run time.
+            object.__setattr__(component, "max_total_num_tokens", value)
     return size_snapshots(scheduler)
 
 
