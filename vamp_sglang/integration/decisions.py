@@ -166,18 +166,20 @@ class DecisionMaker:
             self.calm_steps = 0
             return
         allocator = self.runtime.scheduler.token_to_kv_pool_allocator
-        step_tokens = self.memory.tokens_for(1) * self.config.expand_groups
+        groups = min(self.config.expand_groups, self.memory.offloaded_groups)
+        reclaimed = self.memory.pool_tokens - self.runtime.baseline_tokens
+        step_tokens = reclaimed * groups // self.memory.offloaded_groups
+        # Calm: even after giving this step back, a quarter of the start-up pool would stay free.
         calm = allocator.available_size() >= step_tokens + self.runtime.baseline_tokens // 4
         self.calm_steps = self.calm_steps + 1 if calm else 0
         if self.calm_steps < self.config.restore_after_steps:
             return
-        groups = min(self.config.expand_groups, self.memory.offloaded_groups)
+        self.calm_steps = 0  # one attempt per calm period, restored or not
         restorable = groups if self.memory.restorable_groups() >= groups else 0
         if self._agreed(restorable, lambda _: self.memory.restore(groups),
                         lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):
             self.runtime.decisions["restore"] += 1
-            self.calm_steps = 0
-        self.refresh_headroom()
+            self.refresh_headroom()
 
     def stats(self) -> dict[str, Any]:
         c = self.coefficients() if self.controller.world_size == 1 else self.base_coefficients
