@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from vamp_sglang.integration import compaction
 from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.integration.runtime import current
 from vamp_sglang.policy import Coefficients, EvictableBlock, OffloadState, PreemptCandidate, Snapshot, plan
@@ -175,6 +176,10 @@ class DecisionMaker:
         if self.calm_steps < self.config.restore_after_steps:
             return
         self.calm_steps = 0  # one attempt per calm period, restored or not
+        scheduler = self.runtime.scheduler
+        if self.memory.restorable_groups() < groups and scheduler.is_fully_idle():
+            compaction.compact_tail(scheduler.tree_cache, scheduler.token_to_kv_pool_allocator,
+                                    self.memory.size_after_restore(groups))
         restorable = groups if self.memory.restorable_groups() >= groups else 0
         if self._agreed(restorable, lambda _: self.memory.restore(groups),
                         lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):

@@ -85,7 +85,7 @@ class ExpertMemory:
         """Groups that can come back now: the KV tail ids they would take are all free."""
         free_from = kv_pool.free_tail_start(self.allocator)
         n = 0
-        while n < self.offloaded_groups and self._size_after_restore(n + 1) >= free_from:
+        while n < self.offloaded_groups and self.size_after_restore(n + 1) >= free_from:
             n += 1
         return n
 
@@ -95,7 +95,7 @@ class ExpertMemory:
         self._check_groups("n_groups", n_groups, self.offloaded_groups)
         if n_groups == 0:
             return 0
-        old, new = self.pool_tokens, self._size_after_restore(n_groups)
+        old, new = self.pool_tokens, self.size_after_restore(n_groups)
         self._remap(lambda: self.repartitioner.restore(n_groups), new)
         return old - new
 
@@ -151,7 +151,8 @@ class ExpertMemory:
         new_size = min(self.pool_tokens, self.pool.size_for_rows(first_row))
         return kv_pool.free_tail_start(self.allocator) <= new_size
 
-    def _size_after_restore(self, n_groups: int) -> int:
+    def size_after_restore(self, n_groups: int) -> int:
+        """The pool size once `n_groups` groups are back (rows above it must be free first)."""
         return min(self.pool_tokens, self._max_tokens_at(self.offloaded_groups - n_groups))
 
     def _max_tokens_at(self, offloaded_groups: int) -> int:
