@@ -14,6 +14,7 @@ import torch
 
 from vamp_sglang.integration import expert_memory as em
 from vamp_sglang.integration import kv_pool, moe_staging
+from vamp_sglang.memory.backend import LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
 from vamp_sglang.memory.kv_buffers import KVShrinkError
 from vamp_sglang.memory.region import bytes_checksum
@@ -94,6 +95,7 @@ def vamp(sglang_moe, monkeypatch):
     if em._process.pool is not None:
         em._process.pool.kv.close()
     experts.close()
+    assert backend.live_counts() == LiveCounts(0, 0, 0), "a page was lost or is held twice"
     backend.close()
 
 
