@@ -259,7 +259,7 @@ HOOKS = [
     Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,
          "start staging the first eligible layer's offloaded experts at forward start"),
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "around", _around_run_moe_core,
-         "wait for a layer's staged experts before its MoE kernel, prefetch the next layer after"),
+         "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel"),
     *[Hook(target, "around", _around_can_run_graph,
            "no graph replay while experts are offloaded: captured graphs skip the staging copies")
       for target in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",

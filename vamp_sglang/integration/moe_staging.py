@@ -8,8 +8,9 @@ addresses. Layers are converted one at a time and each original tensor is droppe
 memory grows by one layer, not by the model.
 
 Paper V-B: offloaded experts are read from a staging slot aliased into the tensor's offloaded range.
-`run_moe_core_staged` waits for the layer's copy right before its MoE kernel and starts the copy for
-the next eligible layer right after it; `begin_forward` starts the first copy at forward start. CUDA
+`run_moe_core_staged` brackets the layer's MoE kernel with the staging engine's `before_moe` (wait for
+this layer's copy, start the next eligible layer's copy into the other slot) and `after_moe` (the slot
+may be refilled once the kernel is done); `begin_forward` starts the first copy at forward start. CUDA
 graphs replay without these hooks, so graph replay is refused while any expert is offloaded
 (`graphs_allowed`); the model then runs eager.
 """
@@ -127,7 +128,7 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
 # ---- the forward path ------------------------------------------------------------------------------
 
 def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:
-    """`FusedMoE.run_moe_core` with the layer's staging wait before and the next prefetch after."""
+    """`FusedMoE.run_moe_core` between the staging engine's `before_moe` and `after_moe`."""
     if experts.layers.get(layer.layer_id) is not layer:  # resident first layer, or another model's layer
         return original(layer, *args, **kwargs)
     experts.engine.before_moe(layer.layer_id)
