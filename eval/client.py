@@ -66,6 +66,8 @@ async def _post_stream(http: aiohttp.ClientSession, url: str, body: dict[str, An
                     return answer
                 had_tokens = answer.output_tokens > 0 or answer.text
                 on_event(event, answer)
+                if answer.error is not None:
+                    return answer
                 if not had_tokens and (answer.output_tokens > 0 or answer.text):
                     answer.ttft_s = time.perf_counter() - start
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
@@ -79,8 +81,13 @@ async def _post_stream(http: aiohttp.ClientSession, url: str, body: dict[str, An
 
 
 def _on_generate_event(event: dict[str, Any], answer: Answer) -> None:
-    """Output ids come cumulative (default) or as deltas (--incremental-streaming-output)."""
+    """Output ids come cumulative (default) or as deltas (--incremental-streaming-output). A refused
+    request (e.g. longer than the pool) still streams one chunk, whose finish reason is an abort."""
     meta = event.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        answer.error = f"abort ({finish.get('status_code', '?')}): {finish.get('message', '')}"[:300]
+        return
     ids = [int(i) for i in event.get("output_ids", [])]
     completion_tokens = int(meta.get("completion_tokens", len(ids)))
     answer.output_ids = ids if len(ids) == completion_tokens else answer.output_ids + ids
@@ -100,6 +107,9 @@ async def generate(http: aiohttp.ClientSession, url: str, input_ids: list[int], 
 
 def _on_openai_event(event: dict[str, Any], answer: Answer) -> None:
     for choice in event.get("choices", []):
+        if choice.get("finish_reason") == "abort":
+            answer.error = f"abort: {choice.get('matched_stop') or choice}"[:300]
+            return
         piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
         if piece:
             answer.text += piece

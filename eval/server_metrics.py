@@ -52,10 +52,11 @@ def total(samples: Samples, name: str, **labels: str) -> float | None:
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float | None:
-    end = total(after, name, **labels)
-    if end is None:
+    """A counter's growth; a series never touched is absent from /metrics and counts as 0, unless the
+    server exposes no metrics at all (started without --enable-metrics: None)."""
+    if not after:
         return None
-    return end - (total(before, name, **labels) or 0.0)
+    return (total(after, name, **labels) or 0.0) - (total(before, name, **labels) or 0.0)
 
 
 def vamp_series(samples: Samples) -> dict[str, float]:

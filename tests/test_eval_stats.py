@@ -67,6 +67,7 @@ def test_counter_deltas_from_prometheus_text():
     assert summary["preemptions"] == 3
     assert summary["server_tpot_mean_s"] == pytest.approx(0.1)
     assert summary["vamp_metrics_after"]["vamp:kv_pool_tokens"] == 6000.0
+    assert summary["evicted_tokens"] == 0  # never touched: absent from the text, so no growth
     assert summary["vamp_metrics_delta"]["vamp:decisions_total[offload]"] == 3.0
 
 
