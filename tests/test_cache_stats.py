@@ -23,16 +23,18 @@ def test_touch_never_moves_recency_backwards_and_age_is_never_negative():
 
 
 def test_copy_is_independent():
-    stats = NodeStats(step=4, hits=2, created_step=1)
+    stats = NodeStats(step=4, hits=2, created_step=1, prior=0.75)
     twin = stats.copy()
     twin.admit(9, count_hit=True)
-    assert (stats.hits, stats.last_step, stats.created_step) == (2, 4, 1)
-    assert (twin.hits, twin.last_step, twin.created_step) == (3, 9, 1)
+    assert (stats.hits, stats.last_step, stats.created_step, stats.prior) == (2, 4, 1, 0.75)
+    assert (twin.hits, twin.last_step, twin.created_step, twin.prior) == (3, 9, 1, 0.75)
 
 
 def test_bad_stats_are_refused():
     with pytest.raises(ValueError, match="hits >= 0"):
         NodeStats(step=0, hits=-1)
+    with pytest.raises(ValueError, match="prior must be a hit rate"):
+        NodeStats(step=0, prior=1.5)
 
 
 def test_ledger_hit_rate_is_hit_tokens_over_requested_tokens():

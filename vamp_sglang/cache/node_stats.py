@@ -16,17 +16,26 @@ class NodeStats:
 
     `hits` counts admitted requests whose matched prefix ran through this node, so along any root
     path a parent's hits are >= its child's. `last_step` is the last admission through the node
-    or write into it (insert); `created_step` breaks ties between equally cheap, equally old nodes.
+    or write into it (insert); `created_step` breaks ties between equally valued nodes.
+    `prior` is the prefix-hit rate of the request that wrote the node (None: unknown, use the
+    tree-wide rate): the reuse evidence a node has before its own first hit. A continuation of a
+    cached conversation (hit rate ~0.9) writes KV its own next turn will reuse; a one-shot prompt
+    (hit rate 0) writes KV nobody has asked for yet. Without it, every fresh session turn would
+    look exactly like a one-shot prompt until its next turn arrives.
     """
 
-    __slots__ = ("hits", "last_step", "created_step")
+    __slots__ = ("hits", "last_step", "created_step", "prior")
 
-    def __init__(self, step: int, hits: int = 0, created_step: int | None = None) -> None:
+    def __init__(self, step: int, hits: int = 0, created_step: int | None = None,
+                 prior: float | None = None) -> None:
         if step < 0 or hits < 0:
             raise ValueError(f"NodeStats needs step >= 0 and hits >= 0 (got {step!r}, {hits!r})")
+        if prior is not None and not 0.0 <= prior <= 1.0:
+            raise ValueError(f"NodeStats.prior must be a hit rate in [0, 1] (got {prior!r})")
         self.hits = hits
         self.last_step = step
         self.created_step = step if created_step is None else created_step
+        self.prior = prior
 
     def admit(self, step: int, count_hit: bool) -> None:
         """An admitted request reuses this node (`count_hit` False: a retracted request's return)."""
@@ -43,10 +52,11 @@ class NodeStats:
 
     def copy(self) -> "NodeStats":
         """For the prefix half of a split node: every request through the child passed through it."""
-        return NodeStats(self.last_step, self.hits, self.created_step)
+        return NodeStats(self.last_step, self.hits, self.created_step, self.prior)
 
     def __repr__(self) -> str:
-        return f"NodeStats(hits={self.hits}, last_step={self.last_step}, created_step={self.created_step})"
+        return (f"NodeStats(hits={self.hits}, last_step={self.last_step}, created_step={self.created_step}, "
+                f"prior={self.prior})")
 
 
 class AdmissionLedger:
