@@ -67,18 +67,39 @@ def test_policy_without_our_tree_fails_with_a_clear_error():
 
 def test_split_keeps_stats_and_insert_refreshes_recency():
     cache, allocator = build_cache(page_size=1)
+    core = radix.tree_core_of(cache)
     step = [7]
     radix.bind_step_source(cache, lambda: step[0])
-    insert(cache, allocator, list(range(10)))
+    with core.written_by(0.8):
+        insert(cache, allocator, list(range(10)))
     admit(cache, list(range(10)))
     step[0] = 50
     insert(cache, allocator, [0, 1, 2, 3, 99])  # splits [0..9] into [0..3] + [4..9]
     prefix, tail = node_for(cache, [0, 1, 2, 3]), node_for(cache, list(range(10)))
     assert tail.parent is prefix
     assert (prefix.vamp_stats.hits, tail.vamp_stats.hits) == (1, 1)
+    assert prefix.vamp_stats.prior == tail.vamp_stats.prior == 0.8
     assert prefix.vamp_stats.last_step == 50  # the insert wrote through it
     assert tail.vamp_stats.created_step == prefix.vamp_stats.created_step == 7
-    assert node_for(cache, [0, 1, 2, 3, 99]).vamp_stats.created_step == 50
+    branch = node_for(cache, [0, 1, 2, 3, 99]).vamp_stats
+    assert (branch.created_step, branch.prior) == (50, None)
+
+
+def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt():
+    cache, allocator = build_cache(page_size=1)
+    core = radix.tree_core_of(cache)
+    step = [0]
+    radix.bind_step_source(cache, lambda: step[0])
+    with core.written_by(0.9):  # a session turn that hit 90% wrote its new tail
+        insert(cache, allocator, list(range(500, 520)))
+    step[0] = 10
+    with core.written_by(0.0):  # then a one-shot prompt arrived
+        insert(cache, allocator, list(range(600, 620)))
+    assert radix.eviction_candidates(cache, 2) == [{"tokens": 20, "hits": 0, "age_steps": 0},
+                                                   {"tokens": 20, "hits": 0, "age_steps": 10}]
+    cache.evict(EvictParams(num_tokens=1))
+    assert node_for(cache, list(range(500, 520))).vamp_stats.prior == 0.9  # still cached
+    assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 0
 
 
 def scenario(policy: str) -> tuple[set, dict]:

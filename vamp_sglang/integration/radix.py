@@ -7,18 +7,20 @@ only the eight built-in eviction policies by name, so `VampTreeCore` subclasses 
 paging. Registration goes through SGLang's own registries:
 
     --radix-cache-backend vamp      VampUnifiedRadixCache over VampTreeCore (stats, estimates)
-    --radix-eviction-policy vamp    evict by C_c per token (cache/ordering.py); needs the backend
+    --radix-eviction-policy vamp    evict lowest p_eff first (Eq. 1, cache/ordering.py); needs the backend
 
 Hits are counted by an AFTER hook on `PrefillAdder._commit_prefill_admission`, walking the locked
-`req.last_node` to the root, rather than by SGLang's insert-time `hit_count`: the insert counter
-runs when a request is CACHED (after prefill or at finish), so a prefix that waiting requests are
-about to reuse shows no hit until they finish, HiCache write-back mode skips it entirely, and a
-chunked request bumps it once per chunk insert. Admission is exactly "a request reused this prefix".
+`req.last_node` to the root (never at match: waiting requests are re-matched every round). We do not
+reuse SGLang's insert-time `hit_count`: it drives HiCache's write-through threshold (changing it
+would change HiCache), write-back mode skips it, and only admission sees, in one place, the matched
+prefix AND the prompt length, which give the request's hit rate: the tree-wide rate of Eq. 1 and
+the prior of the nodes this request then writes (`checkpoint_into_tree`, see `NodeStats.prior`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
@@ -70,6 +72,7 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_step_fn: Callable[[], int] = lambda: 0
         self.vamp_ledger = AdmissionLedger()
         self.vamp_evicted_tokens = 0
+        self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         super().__init__(params, components)
         if isinstance(self.eviction_strategy, VampStrategy):
             self.eviction_strategy.bind(self.vamp_priority)
@@ -80,8 +83,17 @@ class VampTreeCore(UnifiedTreeCore):
     # --- statistics kept through SGLang's own node life cycle ------------------------------------
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
         node = super()._new_node(priority)
-        node.vamp_stats = NodeStats(self.now_steps())
+        node.vamp_stats = NodeStats(self.now_steps(), prior=self.vamp_write_prior)
         return node
+
+    @contextmanager
+    def written_by(self, prior: float | None) -> Iterator[None]:
+        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats)."""
+        self.vamp_write_prior = prior
+        try:
+            yield
+        finally:
+            self.vamp_write_prior = None
 
     def _split_node(self, key: Any, child: UnifiedTreeNode, split_len: int) -> tuple:
         new_node, action = super()._split_node(key, child, split_len)
@@ -107,8 +119,7 @@ class VampTreeCore(UnifiedTreeCore):
         return self.components_by_type[_FULL].reclaimable_value_len(node)
 
     def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
-        return self.vamp_order.priority(self.node_tokens(node), node.vamp_stats, self.now_steps(),
-                                        self.vamp_ledger.hit_rate)
+        return self.vamp_order.priority(node.vamp_stats, self.now_steps(), self.vamp_ledger.hit_rate)
 
     def node_cost_s(self, node: UnifiedTreeNode) -> float:
         return self.vamp_order.cost_s(self.node_tokens(node), node.vamp_stats, self.now_steps(),
@@ -119,7 +130,12 @@ class VampTreeCore(UnifiedTreeCore):
 
 
 class VampUnifiedRadixCache(UnifiedRadixCache):
-    """SGLang's unified cache over `VampTreeCore`; only counts what eviction freed."""
+    """SGLang's unified cache over `VampTreeCore`: tags what a request writes, counts what is evicted."""
+
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        # SGLang's one path from a request into the tree (after prefill chunks, at finish, at retraction)
+        with self.tree_core.written_by(getattr(req, "vamp_prior", None)):
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
 
     def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
         self.tree_core.vamp_evicted_tokens += num_evicted
@@ -244,9 +260,13 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
 # --- registration ----------------------------------------------------------------------------------
 def _after_prefill_admission(result: Any, adder: Any, req: Any, admission: Any, *args: Any, **kw: Any) -> None:
     core = getattr(adder.tree_cache, "tree_core", None)
-    if isinstance(core, VampTreeCore):
-        core.record_admission(req.last_node, int(admission.prefix_len), len(req.full_untruncated_fill_ids),
-                              first=not req.retracted_stain)
+    if not isinstance(core, VampTreeCore):
+        return
+    hit_tokens, requested_tokens = int(admission.prefix_len), len(req.full_untruncated_fill_ids)
+    first = not req.retracted_stain
+    core.record_admission(req.last_node, hit_tokens, requested_tokens, first)
+    if first and requested_tokens:
+        req.vamp_prior = hit_tokens / requested_tokens
 
 
 HOOKS = [
