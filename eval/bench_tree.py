@@ -2,7 +2,7 @@
 
 Replays one generated operation trace through SGLang's real `UnifiedRadixCache` over each tree core:
 SGLang's Rust core (the default), SGLang's Python core (both with LRU), and ours (`VampTreeCore`
-with the C_c order; and with LRU, to separate the cost of the statistics from the cost of the
+with its p_eff order; and with LRU, to separate the cost of the statistics from the cost of the
 order). Each request does what the scheduler does: match its prefix, lock it, count the admission,
 allocate the extension (evicting the shortfall), insert, unlock. A final phase evicts the whole
 tree in fixed chunks. Prints per-operation ops/s and the ratio to the Rust core; a script, not a
@@ -34,7 +34,7 @@ CORES = {  # label: (tree core backend, eviction policy, cache class)
     "rust (sglang default)": ("rust", "lru", UnifiedRadixCache),
     "python (sglang)": ("python", "lru", UnifiedRadixCache),
     "vamp stats + lru": (radix.NAME, "lru", radix.VampUnifiedRadixCache),
-    "vamp stats + C_c order": (radix.NAME, radix.NAME, radix.VampUnifiedRadixCache),
+    "vamp stats + p_eff order": (radix.NAME, radix.NAME, radix.VampUnifiedRadixCache),
 }
 
 
@@ -105,8 +105,12 @@ def serve(cache, allocator, step: list[int], trace: list[list[int]], timer: Time
             timer.run("evict", cache.evict, EvictParams(num_tokens=need - allocator.available_size()))
         new = allocator.alloc(need)
         if new is not None:
-            timer.run("insert", cache.insert, InsertParams(key=key, value=torch.cat([prefix, new]),
-                                                           prev_prefix_len=prefix_len))
+            params = InsertParams(key=key, value=torch.cat([prefix, new]), prev_prefix_len=prefix_len)
+            if isinstance(core, radix.VampTreeCore):  # as VampUnifiedRadixCache.checkpoint_into_tree does
+                with core.written_by(prefix_len / len(tokens)):
+                    timer.run("insert", cache.insert, params)
+            else:
+                timer.run("insert", cache.insert, params)
         cache.unlock(lock)
     return hit_tokens
 
