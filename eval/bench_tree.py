@@ -12,6 +12,7 @@ test, because timings depend on the machine.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from array import array
@@ -133,9 +134,9 @@ def bench(label: str, trace: list[list[int]], pool_tokens: int, drain_chunk_toke
 
 
 def _cell(rate: float, base_rate: float) -> str:
-    if rate != rate:  # nan: this core has no such operation
+    if math.isnan(rate):  # this core has no such operation
         return f"{'-':>18}"
-    ratio = f"({rate / base_rate:4.2f})" if base_rate == base_rate else "      "
+    ratio = "      " if math.isnan(base_rate) else f"({rate / base_rate:4.2f})"
     return f"{rate:>11.0f} {ratio}"
 
 

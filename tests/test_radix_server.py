@@ -46,7 +46,7 @@ def _get(url: str) -> dict:
 def _run_workload(url: str, vocab_size: int) -> dict:
     """Rounds of: one turn of every session, then (after the quiet rounds) the one-shot prompts."""
     rng = random.Random(0)
-    draw = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # noqa: E731 (ids 0-9 are special)
+    draw = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # ids below 10 are special tokens
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     before = _get(f"{url}/vamp/stats")
     histories = [draw(FIRST_TURN_TOKENS) for _ in range(SESSIONS)]

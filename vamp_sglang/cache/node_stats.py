@@ -24,7 +24,7 @@ class NodeStats:
     look exactly like a one-shot prompt until its next turn arrives.
     """
 
-    __slots__ = ("hits", "last_step", "created_step", "prior")
+    __slots__ = ("created_step", "hits", "last_step", "prior")
 
     def __init__(self, step: int, hits: int = 0, created_step: int | None = None,
                  prior: float | None = None) -> None:
@@ -50,7 +50,7 @@ class NodeStats:
         """Steps since last use, never negative (a stats source bound late may restart from 0)."""
         return max(now_step - self.last_step, 0)
 
-    def copy(self) -> "NodeStats":
+    def copy(self) -> NodeStats:
         """For the prefix half of a split node: every request through the child passed through it."""
         return NodeStats(self.last_step, self.hits, self.created_step, self.prior)
 
