@@ -39,7 +39,9 @@ def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
     if low.numel() < src.numel():
         return 0
     dst = low[: src.numel()].to(src.dtype)
-    allocator.get_kvcache().move_kv_cache(dst, src)  # copy K and V rows of every layer
+    pool = allocator.get_kvcache()
+    for buffer in (*pool.k_buffer, *pool.v_buffer):  # [rows, heads, head_dim] per layer (NHD)
+        buffer[dst] = buffer[src]
     offset = 0
     for value, mask in held:
         count = int(mask.sum())

@@ -31,6 +31,7 @@ from vamp_sglang.policy.decision_log import DecisionLog
 logger = logging.getLogger(__name__)
 
 MAX_EVICTION_CANDIDATES = 256  # nodes handed to the planner, cheapest first
+IDLE_RESTORE_POLLS = 10  # fully idle polls (about 1 s each) before experts start coming back
 _site: contextvars.ContextVar[tuple[str, Any]] = contextvars.ContextVar("vamp_site", default=("prefill", None))
 
 
@@ -162,24 +163,36 @@ class DecisionMaker:
         return common
 
     # --- restore when pressure stays low (the paper leaves this out) -------------------------
-    def maybe_restore(self) -> None:
+    def maybe_restore(self, idle: bool = False) -> None:
+        """Give expert memory back once the pool has stayed calm long enough.
+
+        Busy: calm means that even after giving one step back, a quarter of the start-up pool
+        would stay free, for `--vamp-restore-after-steps` scheduler steps. Idle (no request at
+        all; SGLang polls about once a second): after IDLE_RESTORE_POLLS polls the experts come
+        back step by step, the cheapest cached prefixes (by C_c) evicted only as far as the
+        smaller pool needs, the rest moved off the tail (compaction) so the cache stays warm.
+        """
         if not self.config.restore_after_steps or self.memory.offloaded_groups == 0:
             self.calm_steps = 0
             return
-        allocator = self.runtime.scheduler.token_to_kv_pool_allocator
+        scheduler = self.runtime.scheduler
+        allocator = scheduler.token_to_kv_pool_allocator
         groups = min(self.config.expand_groups, self.memory.offloaded_groups)
-        reclaimed = self.memory.pool_tokens - self.runtime.baseline_tokens
-        step_tokens = reclaimed * groups // self.memory.offloaded_groups
-        # Calm: even after giving this step back, a quarter of the start-up pool would stay free.
-        calm = allocator.available_size() >= step_tokens + self.runtime.baseline_tokens // 4
+        keep_tokens = self.memory.size_after_restore(groups)
+        step_tokens = self.memory.pool_tokens - keep_tokens
+        calm = idle or allocator.available_size() >= step_tokens + self.runtime.baseline_tokens // 4
         self.calm_steps = self.calm_steps + 1 if calm else 0
-        if self.calm_steps < self.config.restore_after_steps:
+        if self.calm_steps < (min(IDLE_RESTORE_POLLS, self.config.restore_after_steps) if idle
+                              else self.config.restore_after_steps):
             return
         self.calm_steps = 0  # one attempt per calm period, restored or not
-        scheduler = self.runtime.scheduler
-        if self.memory.restorable_groups() < groups and scheduler.is_fully_idle():
-            compaction.compact_tail(scheduler.tree_cache, scheduler.token_to_kv_pool_allocator,
-                                    self.memory.size_after_restore(groups))
+        if idle and self.memory.restorable_groups() < groups:
+            used = self.memory.pool_tokens - allocator.available_size()
+            if used > keep_tokens:
+                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+                scheduler.tree_cache.evict(EvictParams(num_tokens=used - keep_tokens))
+            compaction.compact_tail(scheduler.tree_cache, allocator, keep_tokens)
         restorable = groups if self.memory.restorable_groups() >= groups else 0
         if self._agreed(restorable, lambda _: self.memory.restore(groups),
                         lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):
@@ -242,7 +255,7 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
 def _before_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     decider = maker()
     if decider is not None and scheduler.is_fully_idle():
-        decider.maybe_restore()
+        decider.maybe_restore(idle=True)
 
 
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
