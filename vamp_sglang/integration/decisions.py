@@ -46,7 +46,7 @@ class DecisionMaker:
         self.config = runtime.config
         self.base_coefficients = Coefficients.from_config(self.config)
         self.calibrator = Calibrator()
-        self.log = DecisionLog(path=self.config.decision_log)
+        self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank))
         self.round_id = 0
         self.calm_steps = 0
         self.headroom_tokens = 0  # rank-agreed tokens offload could still add; admission counts them
@@ -133,7 +133,9 @@ class DecisionMaker:
             self.runtime.preemptions_avoided += 1
         self.log.record(step=self.runtime.step, site=site, policy=self.config.policy, snapshot=snapshot,
                         plan=chosen, decide_s=decide_s,
-                        outcome={"tokens_added": added, "covered": covered})
+                        outcome={"tokens_added": added, "covered": covered, "pool_tokens": self.memory.pool_tokens})
+        if added:
+            self.runtime.publish_metrics()
         return result
 
     def offload(self, groups: int) -> int:
@@ -198,6 +200,7 @@ class DecisionMaker:
                         lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):
             self.runtime.decisions["restore"] += 1
             self.refresh_headroom()
+            self.runtime.publish_metrics()
 
     def stats(self) -> dict[str, Any]:
         c = self.coefficients() if self.controller.world_size == 1 else self.base_coefficients
@@ -207,6 +210,11 @@ class DecisionMaker:
             "calibration": self.calibrator.stats(),
             "admission_headroom_tokens": self.headroom_tokens,
         }
+
+
+def decision_log_path(path: str | None, tp_rank: int) -> str | None:
+    """Rank 0 writes PATH, rank r > 0 writes PATH.rank<r>: ranks decide alike, and the files show it."""
+    return path if path is None or tp_rank == 0 else f"{path}.rank{tp_rank}"
 
 
 def maker() -> DecisionMaker | None:

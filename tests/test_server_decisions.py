@@ -1,0 +1,150 @@
+"""The decision at every KV shortfall, through real CPU servers (issue 5).
+
+Three servers, one after another, get the same closed-loop multi-turn workload (4 sessions x 8
+turns, context growing by ~100 tokens a turn) over a pool far smaller than the sessions' reusable
+prefixes: stock SGLang (`--vamp-max-offload-ratio 0`), VAMP-15 at TP 1 and VAMP-15 at TP 2.
+- VAMP grows the pool from expert memory, logs offload decisions with all four costs, keeps more
+  prefixes (higher hit rate) and returns greedy outputs identical to stock SGLang;
+- at TP 2 both ranks log the same decisions with equal pool sizes, and outputs match TP 1;
+- once the load stops the experts come back (restore) and outputs stay identical afterwards.
+Latency is measured by `eval/` (scripts print ratios), not asserted here.
+"""
+
+import concurrent.futures as cf
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+
+pytestmark = pytest.mark.server
+
+POOL_TOKENS = 2048
+SESSIONS, TURNS, FIRST_TOKENS, GROWTH_TOKENS, NEW_TOKENS = 4, 8, 256, 96, 16
+VAMP = ("--vamp-max-offload-ratio", "0.15", "--vamp-restore-after-steps", "20")
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _session(url, seed, turns):
+    """One closed-loop session: each turn extends the last prompt and the answer it got."""
+    rng, ids, answers, cached, prompt = random.Random(seed), [], [], 0, 0
+    for _ in range(turns):
+        ids += [rng.randrange(10, 2000) for _ in range(FIRST_TOKENS if not ids else GROWTH_TOKENS)]
+        out = _post(f"{url}/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
+        answers.append(out["output_ids"])
+        cached, prompt = cached + out["meta_info"]["cached_tokens"], prompt + len(ids)
+        ids = ids + out["output_ids"]
+    return answers, cached, prompt
+
+
+def _workload(url, seed_base=0, turns=TURNS):
+    with cf.ThreadPoolExecutor(SESSIONS) as pool:
+        results = list(pool.map(lambda s: _session(url, seed_base + s, turns), range(SESSIONS)))
+    return {"answers": [r[0] for r in results],
+            "hit_rate": sum(r[1] for r in results) / sum(r[2] for r in results)}
+
+
+def _metric(url, name, rank):
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "{") and f'tp_rank="{rank}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _serve(setup, name, flags, tp_size=1):
+    setup = ServerSetup(setup.model_path, max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=setup.log_dir)
+    with Server(setup, ServerConfig(name, tuple(flags))) as server:
+        run = {"load": _workload(server.url), "stats": _get(f"{server.url}/vamp/stats")}
+        if tp_size > 1:
+            run["pool_by_rank"] = [_metric(server.url, "vamp:kv_pool_tokens", r) for r in range(tp_size)]
+        if "--vamp-restore-after-steps" in flags:
+            deadline = time.monotonic() + 90  # idle: SGLang polls about once a second
+            while time.monotonic() < deadline and run["stats"]["experts"]["offloaded_groups"]:
+                time.sleep(2)
+                run["stats"] = _get(f"{server.url}/vamp/stats")
+        run["after"] = _workload(server.url, seed_base=100, turns=2)
+        return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe")
+    logs = tmp_path_factory.mktemp("logs")
+    setup = ServerSetup(str(model), log_dir=str(logs))
+    decision_log = logs / "decisions.jsonl"
+    return {
+        "stock": _serve(setup, "stock", ("--vamp-max-offload-ratio", "0")),
+        "vamp": _serve(setup, "vamp", (*VAMP, "--vamp-decision-log", str(decision_log))),
+        "tp2": _serve(setup, "vamp-tp2", (*VAMP, "--vamp-decision-log", str(logs / "tp2.jsonl")), tp_size=2),
+        "log": decision_log,
+        "tp2_logs": (logs / "tp2.jsonl", logs / "tp2.jsonl.rank1"),
+    }
+
+
+def test_vamp_grows_the_pool_by_offloading(runs):
+    stats = runs["vamp"]["stats"]
+    assert stats["decisions"]["offload"] >= 1
+    offloads = [json.loads(line) for line in runs["log"].read_text().splitlines()]
+    offloads = [d for d in offloads if d["plan"]["action"] in ("offload", "combined")]
+    assert offloads and all(d["outcome"]["pool_tokens"] > POOL_TOKENS for d in offloads)
+    assert all(set(d["plan"]["costs"]) == {"evict", "offload", "preempt", "combined"} for d in offloads)
+    assert offloads[0]["plan"]["costs"]["offload"] is not None
+
+
+def test_stock_pool_stays_fixed_and_decides_nothing(runs):
+    stats = runs["stock"]["stats"]
+    assert stats["enabled"] is False
+    assert stats["kv_pool"]["tokens"] == stats["kv_pool"]["baseline_tokens"] == POOL_TOKENS
+    assert sum(stats["decisions"].values()) == 0
+
+
+def test_vamp_keeps_more_prefixes_than_stock(runs):
+    assert runs["vamp"]["load"]["hit_rate"] > runs["stock"]["load"]["hit_rate"]
+
+
+@pytest.mark.parametrize("name", ["vamp", "tp2"])
+def test_greedy_outputs_identical_to_stock(runs, name):
+    assert runs[name]["load"]["answers"] == runs["stock"]["load"]["answers"]
+    assert runs[name]["after"]["answers"] == runs["stock"]["after"]["answers"]
+
+
+def test_logged_decision_replays_to_the_same_plan(runs):
+    line = runs["log"].read_text().splitlines()[0]
+    out = subprocess.run([sys.executable, "-m", "vamp_sglang.policy", "explain", "--json", str(runs["log"]),
+                          "--line", "1"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["action"] == json.loads(line)["plan"]["action"]
+
+
+def test_tp2_ranks_decide_alike_with_equal_pools(runs):
+    rank0, rank1 = ([json.loads(x) for x in path.read_text().splitlines()] for path in runs["tp2_logs"])
+    assert rank0, "TP 2 made no decision"
+    strip = [(d["step"], d["plan"], d["outcome"]["tokens_added"], d["outcome"]["pool_tokens"]) for d in rank0]
+    assert strip == [(d["step"], d["plan"], d["outcome"]["tokens_added"], d["outcome"]["pool_tokens"])
+                     for d in rank1]
+    pools = runs["tp2"]["pool_by_rank"]
+    assert pools[0] == pools[1] and pools[0] > POOL_TOKENS
+
+
+@pytest.mark.parametrize("name", ["vamp", "tp2"])
+def test_experts_come_back_once_the_load_stops(runs, name):
+    stats = runs[name]["stats"]
+    assert stats["decisions"]["restore"] >= 1
+    assert stats["experts"]["offloaded_groups"] == 0
+    assert stats["kv_pool"]["tokens"] == POOL_TOKENS
