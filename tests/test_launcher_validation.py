@@ -34,6 +34,7 @@ BAD_FLAGS = [
     (["--vamp-page-backend", "host", "--device", "cuda"], "--vamp-page-backend"),
     (["--radix-eviction-policy", "vamp"], "--radix-eviction-policy"),
     (["--radix-cache-backend", "lmcache"], "--radix-cache-backend"),
+    (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--pp-size", "2"], "--pp-size"),
     (["--ep-size", "2"], "--ep-size"),
     (["--enable-dp-attention"], "--enable-dp-attention"),

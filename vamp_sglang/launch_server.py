@@ -71,7 +71,10 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
             raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
     if not vamp.enabled:
         return
-    if sg.radix_cache_backend not in (None, "vamp") and not sg.disable_radix_cache:
+    if sg.disable_radix_cache:
+        raise ConfigError("--disable-radix-cache leaves VAMP no decision point (SGLang's prefix-cache eviction "
+                          "funnel); drop it or set --vamp-max-offload-ratio 0")
+    if sg.radix_cache_backend not in (None, "vamp"):
         raise ConfigError(
             f"--vamp-max-offload-ratio > 0 needs our radix tree for its cost estimates; "
             f"drop --radix-cache-backend {sg.radix_cache_backend} or set --vamp-max-offload-ratio 0"
@@ -86,7 +89,7 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
 
 def _with_vamp_tree(vamp: VampConfig, sg: argparse.Namespace, argv: list[str]) -> list[str]:
     """VAMP's planner reads eviction costs from our radix tree, so VAMP on means our tree."""
-    if not vamp.enabled or sg.disable_radix_cache or sg.radix_cache_backend == "vamp":
+    if not vamp.enabled or sg.radix_cache_backend == "vamp":
         return argv
     return argv + ["--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"]
 
