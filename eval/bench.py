@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ class BenchSpec:
     trace: str | None = None
     scale: float = 1.0
     max_requests: int | None = None
-    multiturn: MultiTurnSpec = MultiTurnSpec()
+    multiturn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     vocab_size: int | None = None
     keep_requests: bool = True
 
@@ -65,7 +65,8 @@ def _vocab_size(info: dict[str, Any]) -> int:
     data = json.loads(config.read_text())
     vocab = data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
     if not isinstance(vocab, int):
-        raise ValueError(f"{config} has no integer vocab_size: pass --vocab-size")
+        raise ValueError(  # noqa: TRY004  (a bad config file, reported like every other input error)
+            f"{config} has no integer vocab_size: pass --vocab-size")
     return vocab
 
 

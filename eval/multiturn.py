@@ -27,7 +27,7 @@ class MultiTurnSpec:
     block_tokens: int = 64
     shared_prefix_tokens: int = 0  # a system prompt every session starts with (0: none)
 
-    def validate(self) -> "MultiTurnSpec":
+    def validate(self) -> MultiTurnSpec:
         for name in ("sessions", "turns", "first_turn_tokens", "output_tokens", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)!r})")

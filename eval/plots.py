@@ -15,9 +15,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from eval.results import Point, aggregate  # noqa: E402
+from eval.results import Point, aggregate
 
 # (metric key, label, scale to display units)
 TABLE_ROWS = (

@@ -34,7 +34,7 @@ class ReplayOptions:
     request_timeout_s: float = 900.0
     progress: bool = True
 
-    def validate(self) -> "ReplayOptions":
+    def validate(self) -> ReplayOptions:
         if self.api not in client.API_MODES:
             raise ValueError(f"--api must be one of {', '.join(client.API_MODES)} (got {self.api!r})")
         if self.max_sessions is not None and self.max_sessions < 1:

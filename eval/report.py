@@ -71,8 +71,8 @@ def section(target: str, out_dir: Path, root: Path) -> str:
     meta = json.loads((out_dir / "experiment.json").read_text()) if (out_dir / "experiment.json").is_file() else {}
     setup = meta.get("setup", {})
     parts = [f"## {target}",
-             f"Model `{setup.get('model_path', '?')}` on {setup.get('device', '?')} (TP {setup.get('tp_size', 1)}), "
-             f"baseline pool {setup.get('max_total_tokens', '?')} tokens, n = {meta.get('runs', 1)} run(s) per point.",
+             (f"Model `{setup.get('model_path', '?')}` on {setup.get('device', '?')} (TP {setup.get('tp_size', 1)}), "
+             f"baseline pool {setup.get('max_total_tokens', '?')} tokens, n = {meta.get('runs', 1)} run(s) per point."),
              metric_table(points)]
     if len({p.concurrency for p in points}) > 1:
         parts += [concurrency_grid(points), boundaries(points)]

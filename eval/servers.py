@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 LOCK_PATH = os.environ.get("VAMP_SERVER_LOCK", "/tmp/vamp-server.lock")  # "" disables the lock
 ALWAYS_FLAGS = ("--enable-metrics", "--enable-cache-report")  # the bench reads these counters
@@ -90,14 +90,14 @@ class Server:
     def _acquire_lock(self) -> None:
         if not LOCK_PATH:
             return
-        self._lock = open(LOCK_PATH, "a+")
+        self._lock = open(LOCK_PATH, "a+")  # noqa: SIM115  (held for the server's lifetime)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting for {LOCK_PATH} (another server is running)", file=sys.stderr, flush=True)
             fcntl.flock(self._lock, fcntl.LOCK_EX)
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         self._acquire_lock()
         log_dir = Path(self.setup.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +154,7 @@ class Server:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -27,7 +27,7 @@ class TokenSpace:
             raise ValueError(f"token space must satisfy 0 <= low < high (got [{self.low}, {self.high}))")
 
     @classmethod
-    def for_vocab(cls, vocab_size: int) -> "TokenSpace":
+    def for_vocab(cls, vocab_size: int) -> TokenSpace:
         """Leave the top 5% (at least 64 ids) for special tokens, as small tokenizers put them last."""
         reserved = max(64, vocab_size // 20)
         if vocab_size <= reserved + 16:

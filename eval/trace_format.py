@@ -144,8 +144,7 @@ def dump_trace(requests: list[TraceRequest], path: str | Path) -> None:
     check_turn_order(requests, [f"request {i}" for i in range(len(requests))])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
-        for request in requests:
-            handle.write(request.to_json() + "\n")
+        handle.writelines(request.to_json() + "\n" for request in requests)
 
 
 def scale_request(request: TraceRequest, scale: float) -> TraceRequest:

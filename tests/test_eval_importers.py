@@ -1,5 +1,6 @@
 """Importers on the shared public traces (read in place), and the multi-turn generator."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_mooncake_rebuilds_sessions_as_prefix_chains(tmp_path):
     assert len(multi) > 1000 and max(len(t) for t in multi) >= 12
     for turns in multi:
         assert turns[0].arrival_s is not None and turns[0].think_time_s is None
-        for prev, cur in zip(turns, turns[1:]):
+        for prev, cur in itertools.pairwise(turns):
             shared = max(2, len(prev.hash_ids) - 1)
             assert cur.hash_ids[:shared] == prev.hash_ids[:shared]
             assert cur.arrival_s is None and cur.think_time_s >= 0
@@ -53,8 +54,9 @@ def test_mooncake_first_request_matches_the_file():
 
 @needs_sweagent
 def test_sweagent_turns_extend_their_history():
-    from eval.sweagent import import_sweagent
     from transformers import AutoTokenizer
+
+    from eval.sweagent import import_sweagent
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(MODEL))
     marshmallow = [next(SWEAGENT.glob(f"replay__*1867__{config}__install-1__*.traj"))
@@ -65,7 +67,7 @@ def test_sweagent_turns_extend_their_history():
     assert len(sessions) == 3
     for turns in sessions.values():
         assert [t.turn for t in turns] == list(range(len(turns)))
-        for prev, cur in zip(turns, turns[1:]):
+        for prev, cur in itertools.pairwise(turns):
             assert cur.input_tokens > prev.input_tokens
             full = prev.input_tokens // 64
             assert cur.hash_ids[:full] == prev.hash_ids[:full]  # the history is the previous prompt + more
@@ -86,7 +88,7 @@ def test_multiturn_structure():
     for turns in sessions.values():
         assert [t.input_tokens for t in turns] == [512 + 160 * k for k in range(12)]
         assert turns[0].arrival_s == 0.0
-        for prev, cur in zip(turns, turns[1:]):
+        for prev, cur in itertools.pairwise(turns):
             assert cur.hash_ids[:len(prev.hash_ids)] == prev.hash_ids
     heads = {turns[0].hash_ids[:3] for turns in sessions.values()}
     assert len({h[:2] for h in heads}) == 1 and len({h[2] for h in heads}) == 4  # only the system prompt shared

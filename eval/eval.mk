@@ -1,0 +1,27 @@
+# Evaluation targets, included by the top-level Makefile (which defines PY and MODEL).
+# CPU defaults: the tiny model, one server at a time, each target well under 30 minutes.
+# On GPUs:  make sweep-concurrency MODEL=Qwen/Qwen3-30B-A3B DEVICE=cuda TP=2 EVAL_FLAGS="--max-total-tokens 200000 ..."
+PY ?= .venv/bin/python
+MODEL ?= models/tiny-qwen3-moe
+DEVICE ?= cpu
+TP ?= 1
+EVAL_FLAGS ?=
+RESULTS ?= results
+EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
+EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
+
+.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all
+
+ablation-ratio:
+	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
+
+ablation-policy:
+	$(EVAL_RUN) ablation-policy $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-policy
+
+sweep-concurrency:
+	$(EVAL_RUN) sweep-concurrency $(EVAL_ARGS) --out-dir $(RESULTS)/sweep-concurrency
+
+report:
+	$(PY) -m eval.report $(RESULTS)
+
+eval-all: sweep-concurrency ablation-ratio ablation-policy report
