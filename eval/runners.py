@@ -30,7 +30,7 @@ BASELINE = ServerConfig("baseline", ("--vamp-max-offload-ratio", "0"))
 # CPU defaults (tiny model, 2 cores): each target well under 30 minutes including server starts.
 DEFAULT_RATIOS = {"ablation-ratio": "0.10,0.15,0.20,0.25", "ablation-policy": "",
                   "sweep-concurrency": "0.15,0.25"}
-DEFAULT_CONCURRENCY = {"ablation-ratio": "8", "ablation-policy": "8", "sweep-concurrency": "2,4,6,8,12"}
+DEFAULT_CONCURRENCY = {"ablation-ratio": "12", "ablation-policy": "12", "sweep-concurrency": "2,4,8,12,16"}
 
 
 def vamp(ratio: float, policy: str | None = None, name: str | None = None) -> ServerConfig:
@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=TINY_MODEL, help=f"model path (default {TINY_MODEL}, made if missing)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--max-total-tokens", type=int, default=6144, help="the baseline KV pool, in tokens")
+    parser.add_argument("--max-total-tokens", type=int, default=2048, help="the baseline KV pool, in tokens")
     parser.add_argument("--server-flags", default="", help="extra server flags, space-separated")
     parser.add_argument("--ratios", help="comma-separated offload ratios (default: per target)")
-    parser.add_argument("--policy-ratio", type=float, default=0.25)
+    parser.add_argument("--policy-ratio", type=float, default=0.15,
+                        help="ablation-policy: a ratio too small for the load, so the policy must choose")
     parser.add_argument("--concurrency", help="comma-separated session counts (default: per target; the "
                         "ablations run at one concurrency past the baseline's capacity)")
     parser.add_argument("--runs", type=int, default=1, help="independent runs per point (paper: 5)")
