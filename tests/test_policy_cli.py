@@ -12,8 +12,8 @@ US = 1e-6
 
 SNAPSHOT = {  # the worked example of test_policy_planner.py (costs computed there by hand)
     "site": "decode", "gap_tokens": 300, "observed_hit_rate": 0.3,
-    "evictable": [{"tokens": 200, "hits": 5, "age_steps": 10}, {"tokens": 150, "hits": 0, "age_steps": 4000},
-                  {"tokens": 64, "hits": 1, "age_steps": 100}],
+    "evictable": [{"tokens": 150, "hits": 0, "age_steps": 4000}, {"tokens": 64, "hits": 1, "age_steps": 100},
+                  {"tokens": 200, "hits": 5, "age_steps": 10}],
     "offload": {"headroom_groups": 10, "tokens_per_group": 64, "shards_per_group": 3, "local_experts": 512,
                 "top_k": 10, "decode_budget_min": 100},
     "preempt": [{"partial_tokens": 100, "tokens": 180}, {"partial_tokens": 40, "tokens": 200}],

@@ -85,15 +85,14 @@ def plan(snapshot: Snapshot, coeffs: Coefficients, policy: str = "cost") -> Plan
 
 # --- the four candidate plans --------------------------------------------------------------------
 def _evict_cover(s: Snapshot, c: Coefficients, need_tokens: int) -> float | None:
-    """C_c of freeing `need_tokens` from whole nodes in ascending C_c, or None if the tree cannot."""
-    block_costs = sorted((cached_block_cost_s(e.tokens, e.hits, e.age_steps, s.observed_hit_rate, c), -e.tokens)
-                         for e in s.evictable)
+    """C_c (Eq. 2) of freeing `need_tokens` from whole nodes taken in the snapshot's order, which is
+    the order the tree will really evict them in; None if the tree cannot free that much."""
     freed, cost_s = 0, 0.0
-    for block_cost_s, neg_tokens in block_costs:
+    for e in s.evictable:
         if freed >= need_tokens:
             break
-        freed -= neg_tokens
-        cost_s += block_cost_s
+        freed += e.tokens
+        cost_s += cached_block_cost_s(e.tokens, e.hits, e.age_steps, s.observed_hit_rate, c)
     return cost_s if freed >= need_tokens else None
 
 

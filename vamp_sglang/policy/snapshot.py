@@ -14,7 +14,7 @@ rules as one parsed from a file, and every error names the offending field by it
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
-tokens); the planner sorts them by C_c itself and does not rely on their order. `preempt` lists
+tokens) in the order the tree will evict them, so the planner prices what eviction really removes. `preempt` lists
 running requests in the order SGLang's `retract_decode` would retract them; `tokens` is what
 retracting one gives back to the pool, `partial_tokens` what it must re-prefill when it returns.
 """
