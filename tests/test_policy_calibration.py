@@ -5,9 +5,9 @@ import json
 import pytest
 
 from vamp_sglang.policy import Coefficients, Snapshot, plan
+from vamp_sglang.policy.__main__ import main as explain_main
 from vamp_sglang.policy.calibration import MIN_PREFILL_TOKENS, SMOOTHING, Calibrator
 from vamp_sglang.policy.decision_log import DecisionLog
-from vamp_sglang.policy.__main__ import main as explain_main
 
 SNAPSHOT = {
     "site": "decode", "gap_tokens": 300,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class VampConfig:
         """VAMP repartitions memory only with a positive ratio; 0 is stock SGLang."""
         return self.max_offload_ratio > 0
 
-    def validate(self) -> "VampConfig":
+    def validate(self) -> VampConfig:
         checks = [
             (0.0 <= self.max_offload_ratio < 1.0, "--vamp-max-offload-ratio must be in [0, 1)"),
             (self.policy in POLICIES, f"--vamp-policy must be one of {', '.join(POLICIES)}"),
@@ -73,7 +74,7 @@ class VampConfig:
         for name in ("alpha", "t_prefill_us", "t_sched_us", "t_queue_us", "c_reload_ms", "max_offload_ratio",
                      "initial_offload_ratio"):
             value = getattr(self, name)
-            if value != value or value in (float("inf"), float("-inf")):
+            if not math.isfinite(value):
                 raise ConfigError(f"--vamp-{name.replace('_', '-')} must be a finite number (got {value!r})")
         return self
 
@@ -86,7 +87,7 @@ class VampConfig:
         return {ENV_ENABLE: "1", ENV_CONFIG: json.dumps(dataclasses.asdict(self), sort_keys=True)}
 
     @classmethod
-    def from_env(cls) -> "VampConfig | None":
+    def from_env(cls) -> VampConfig | None:
         """The config our launcher exported, or None when this process tree is plain SGLang."""
         if os.environ.get(ENV_ENABLE) != "1":
             return None
@@ -117,7 +118,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                                help="use the fixed --vamp-t-* coefficients instead of online measurements")
             continue
         kind = {"float": float, "int": int}.get(str(field.type), str)
-        kwargs = dict(dest="vamp_" + field.name, type=kind, default=default, help=f"(default: {default})")
+        kwargs = {"dest": "vamp_" + field.name, "type": kind, "default": default, "help": f"(default: {default})"}
         if field.name == "policy":
             kwargs["choices"] = POLICIES
         if field.name == "page_backend":
