@@ -76,7 +76,9 @@ class DecisionMaker:
         t_prefill_s = agreed_ns / 1e9 if agreed_ns else self.base_coefficients.t_prefill_s
         return dataclasses.replace(measured, t_prefill_s=t_prefill_s)
 
-    def snapshot(self, gap_tokens: int, site: str, batch: Any, tree_cache: Any) -> Snapshot:
+    def snapshot(self, gap_tokens: int, site: str, batch: Any, tree_cache: Any, coeffs: Coefficients) -> Snapshot:
+        """The planner's input; it carries the coefficients in use (measured or configured), so a
+        logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
         from vamp_sglang.integration import radix
 
         scheduler = self.runtime.scheduler
@@ -98,6 +100,7 @@ class DecisionMaker:
             ),
             preempt=tuple(self._preempt_candidates(running)) if site == "decode" else (),
             observed_hit_rate=self.runtime.radix_stats()["hit_rate"],
+            coefficients=coeffs.as_overrides(),
         )
 
     @staticmethod
@@ -119,8 +122,8 @@ class DecisionMaker:
         if gap <= 0 or site == "retract" or tree_cache is None or not tree_cache.supports_prefix_sharing():
             return original(allocator, tree_cache, num_tokens)
         start = time.perf_counter()
-        snapshot = self.snapshot(gap, site, batch, tree_cache)
-        chosen = plan(snapshot, self.coefficients(), self.config.policy)
+        snapshot = self.snapshot(gap, site, batch, tree_cache, self.coefficients())
+        chosen = plan(snapshot, self.base_coefficients, self.config.policy)
         decide_s = time.perf_counter() - start
         added = self.offload(chosen.groups) if chosen.groups else 0
         result = None
