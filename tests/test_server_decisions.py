@@ -17,12 +17,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
 
 pytestmark = pytest.mark.server
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"  # shared by the server tests
 
 POOL_TOKENS = 2048
 SESSIONS, TURNS, FIRST_TOKENS, GROWTH_TOKENS, NEW_TOKENS = 4, 8, 256, 96, 16
@@ -85,7 +88,7 @@ def _serve(setup, name, flags, tp_size=1):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    model = ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe")
+    model = ensure_tiny_model(MODEL)
     logs = tmp_path_factory.mktemp("logs")
     setup = ServerSetup(str(model), log_dir=str(logs))
     decision_log = logs / "decisions.jsonl"

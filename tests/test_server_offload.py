@@ -12,12 +12,15 @@ VAMP-off server evicts, the grown servers keep everything, so rows above the sta
 import json
 import random
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
 
 pytestmark = pytest.mark.server
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"  # shared by the server tests
 
 POOL_TOKENS = 2048
 CONTEXT_TOKENS = 16384  # the tiny model's max_position_embeddings
@@ -64,7 +67,7 @@ def _serve(setup, name, initial_ratio, prompts):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    model = ensure_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3_moe")
+    model = ensure_tiny_model(MODEL)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
     prompts = _workload(vocab_size)
