@@ -46,3 +46,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 -include eval/eval.mk
+
+# The eval targets (eval/eval.mk) need the environment and, on CPU, the tiny model.
+ablation-ratio ablation-policy sweep-concurrency: model
+report: install
