@@ -39,8 +39,12 @@ def cell(point: Point, key: str, scale: float = 1.0) -> str:
     mean, sd = point.mean.get(key), point.sd.get(key)
     if mean is None:
         return "n/a"
-    text = f"{mean * scale:.3g}"
-    return text + (f" ± {sd * scale:.2g}" if point.runs > 1 and sd is not None else "")
+    return _num(mean * scale) + (f" ± {_num(sd * scale)}" if point.runs > 1 and sd is not None else "")
+
+
+def _num(value: float) -> str:
+    """3 significant digits, but whole numbers from 1000 up (pool sizes, not 2.05e+03)."""
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _top(points: list[Point]) -> list[Point]:
@@ -85,10 +89,11 @@ def plot_metrics(points: list[Point], path: Path) -> None:
 def plot_table(points: list[Point], path: Path) -> None:
     top = _top(points)
     rows = [[label] + [cell(p, key, scale) for p in top] for key, label, scale in TABLE_ROWS]
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(top), 0.45 * (len(rows) + 2)))
+    fig, ax = plt.subplots(figsize=(3.0 + 1.6 * len(top), 0.32 * (len(rows) + 3)))
     ax.axis("off")
+    label_width = 0.34
     table = ax.table(cellText=rows, colLabels=["Metric"] + [p.config for p in top], loc="center",
-                     cellLoc="center")
+                     cellLoc="center", colWidths=[label_width] + [(1 - label_width) / len(top)] * len(top))
     table.auto_set_font_size(False)
     table.set_fontsize(9)
     table.scale(1.0, 1.3)

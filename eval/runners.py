@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=TINY_MODEL, help=f"model path (default {TINY_MODEL}, made if missing)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--max-total-tokens", type=int, default=2048, help="the baseline KV pool, in tokens")
+    parser.add_argument("--max-total-tokens", type=int, default=3072, help="the baseline KV pool, in tokens")
     parser.add_argument("--server-flags", default="", help="extra server flags, space-separated")
     parser.add_argument("--ratios", help="comma-separated offload ratios (default: per target)")
     parser.add_argument("--policy-ratio", type=float, default=0.15,

@@ -42,10 +42,10 @@ def test_repeats_become_mean_and_sd(sweep):
 
 def test_report_finds_the_boundary_and_checks_outputs(sweep):
     text = report.render(sweep.parent)
-    assert "- baseline: crossed at c = 8 (10 s vs 1.1 s at c = 2)" in text
+    assert "- baseline: crossed between c = 2 and 8 (1.1 s -> 10 s)" in text
     assert "- vamp-15: not crossed up to c = 8" in text
     assert "c = 8: greedy outputs identical" in text
-    assert "| TTFT p99 (s) | 10 ± 1.4 | 1.5 ± 0 |" in text
+    assert "| TTFT p99 (s) | 10 ± 1.41 | 1.5 ± 0 |" in text
     bad = json.loads((sweep / "vamp-15__c8__r0.json").read_text()) | {"outputs_digest": "d2"}
     (sweep / "vamp-15__c8__r0.json").write_text(json.dumps(bad))
     assert "c = 8: greedy outputs DIFFERENT" in report.render(sweep.parent)
