@@ -75,7 +75,7 @@ def plot_metrics(points: list[Point], path: Path) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(3.0 * len(PANELS), 3.6))
     for ax, (key, label, scale) in zip(axes, PANELS):
         values = [(p.mean.get(key) or 0.0) * scale for p in top]
-        errors = [(p.sd.get(key) or 0.0) * scale for p in top]
+        errors = [(p.sd.get(key) or 0.0) * scale for p in top] if max(p.runs for p in top) > 1 else None
         ax.bar(range(len(top)), values, yerr=errors, capsize=3, color=[f"C{i}" for i in range(len(top))])
         ax.set_xticks(range(len(top)), names, rotation=35, ha="right")
         ax.set_title(label)
