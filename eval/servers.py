@@ -8,6 +8,7 @@ and detokenizer too) and a log file. Servers on this machine are serialised thro
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -168,3 +169,16 @@ def ensure_tiny_model(path: str | Path) -> Path:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "vamp_sglang.tiny_moe", str(path)], check=True, env=env)
     return path
+
+
+def get_json(url: str, timeout_s: float = 60.0) -> dict:
+    """GET a JSON endpoint of a running server (`/vamp/stats`, `/server_info`)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, body: dict, timeout_s: float = 600.0) -> dict:
+    """POST a JSON body (e.g. a non-streaming `/generate`) and return the JSON answer."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as response:
+        return json.loads(response.read())

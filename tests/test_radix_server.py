@@ -13,12 +13,11 @@ scheduler reports per request (`meta_info.cached_tokens`), the same statistic fo
 
 import json
 import random
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
 pytestmark = pytest.mark.server
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
@@ -32,15 +31,6 @@ CONFIGS = {
 }
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as response:
-        return json.loads(response.read())
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def _run_workload(url: str, vocab_size: int) -> dict:
@@ -48,16 +38,16 @@ def _run_workload(url: str, vocab_size: int) -> dict:
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # ids below 10 are special tokens
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    before = _get(f"{url}/vamp/stats")
+    before = get_json(f"{url}/vamp/stats")
     histories = [draw(FIRST_TURN_TOKENS) for _ in range(SESSIONS)]
     turns, one_shots = [], []
     for round_index in range(ROUNDS):
         for s in range(SESSIONS):
-            out = _post(f"{url}/generate", {"input_ids": histories[s], "sampling_params": greedy})
+            out = post_json(f"{url}/generate", {"input_ids": histories[s], "sampling_params": greedy})
             turns.append((round_index, out["meta_info"]))
             histories[s] = histories[s] + out["output_ids"] + draw(TURN_TOKENS)
         for _ in range(ONE_SHOTS_PER_ROUND if round_index >= QUIET_ROUNDS else 0):
-            out = _post(f"{url}/generate", {"input_ids": draw(ONE_SHOT_TOKENS), "sampling_params": greedy})
+            out = post_json(f"{url}/generate", {"input_ids": draw(ONE_SHOT_TOKENS), "sampling_params": greedy})
             one_shots.append(out["meta_info"])
     pressed = [m for r, m in turns if r >= QUIET_ROUNDS]
     return {
@@ -66,7 +56,7 @@ def _run_workload(url: str, vocab_size: int) -> dict:
         / sum(m["prompt_tokens"] for r, m in turns if 0 < r < QUIET_ROUNDS),
         "one_shot_hit_rate": sum(m["cached_tokens"] for m in one_shots) / sum(m["prompt_tokens"] for m in one_shots),
         "stats_before": before,
-        "stats": _get(f"{url}/vamp/stats"),
+        "stats": get_json(f"{url}/vamp/stats"),
     }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
 pytestmark = pytest.mark.server
 
@@ -32,15 +32,6 @@ SESSIONS, TURNS, FIRST_TOKENS, GROWTH_TOKENS, NEW_TOKENS = 4, 8, 256, 96, 16
 VAMP = ("--vamp-max-offload-ratio", "0.15", "--vamp-restore-after-steps", "20")
 
 
-def _post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as response:
-        return json.loads(response.read())
-
-
-def _get(url):
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def _session(url, seed, turns):
@@ -48,7 +39,7 @@ def _session(url, seed, turns):
     rng, ids, answers, cached, prompt = random.Random(seed), [], [], 0, 0
     for _ in range(turns):
         ids += [rng.randrange(10, 2000) for _ in range(FIRST_TOKENS if not ids else GROWTH_TOKENS)]
-        out = _post(f"{url}/generate", {"input_ids": ids, "sampling_params": {
+        out = post_json(f"{url}/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
         answers.append(out["output_ids"])
         cached, prompt = cached + out["meta_info"]["cached_tokens"], prompt + len(ids)
@@ -74,14 +65,14 @@ def _metric(url, name, rank):
 def _serve(setup, name, flags, tp_size=1):
     setup = ServerSetup(setup.model_path, max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=setup.log_dir)
     with Server(setup, ServerConfig(name, tuple(flags))) as server:
-        run = {"load": _workload(server.url), "stats": _get(f"{server.url}/vamp/stats")}
+        run = {"load": _workload(server.url), "stats": get_json(f"{server.url}/vamp/stats")}
         if tp_size > 1:
             run["pool_by_rank"] = [_metric(server.url, "vamp:kv_pool_tokens", r) for r in range(tp_size)]
         if "--vamp-restore-after-steps" in flags:
             deadline = time.monotonic() + 90  # idle: SGLang polls about once a second
             while time.monotonic() < deadline and run["stats"]["experts"]["offloaded_groups"]:
                 time.sleep(2)
-                run["stats"] = _get(f"{server.url}/vamp/stats")
+                run["stats"] = get_json(f"{server.url}/vamp/stats")
         run["after"] = _workload(server.url, seed_base=100, turns=2)
         return run
 

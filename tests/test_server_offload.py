@@ -11,12 +11,11 @@ VAMP-off server evicts, the grown servers keep everything, so rows above the sta
 
 import json
 import random
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
 pytestmark = pytest.mark.server
 
@@ -34,15 +33,6 @@ RUNS = {  # name -> (initial ratio, offloaded groups expected: floor(ratio * 128
 }
 
 
-def _post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as response:
-        return json.loads(response.read())
-
-
-def _get(url):
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def _workload(vocab_size):
@@ -57,12 +47,12 @@ def _serve(setup, name, initial_ratio, prompts):
         "--vamp-restore-after-steps", "0"]
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     with Server(setup, ServerConfig(name, tuple(flags))) as server:
-        stats_before = _get(f"{server.url}/vamp/stats")
-        batch = _post(f"{server.url}/generate", {"input_ids": prompts[:4], "sampling_params": greedy})
+        stats_before = get_json(f"{server.url}/vamp/stats")
+        batch = post_json(f"{server.url}/generate", {"input_ids": prompts[:4], "sampling_params": greedy})
         outputs = [r["output_ids"] for r in batch]
         for prompt in prompts[4:]:
-            outputs.append(_post(f"{server.url}/generate", {"input_ids": prompt, "sampling_params": greedy})["output_ids"])
-        return outputs, stats_before, _get(f"{server.url}/vamp/stats")
+            outputs.append(post_json(f"{server.url}/generate", {"input_ids": prompt, "sampling_params": greedy})["output_ids"])
+        return outputs, stats_before, get_json(f"{server.url}/vamp/stats")
 
 
 @pytest.fixture(scope="module")
