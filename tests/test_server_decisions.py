@@ -62,10 +62,24 @@ def _metric(url, name, rank):
     return None
 
 
+def _chat(url, turns=3):
+    """A multi-turn chat through the OpenAI endpoint; returns cached prompt tokens per turn and the
+    `/vamp/stats` snapshots before and after."""
+    before, messages, cached = get_json(f"{url}/vamp/stats"), [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn}: tell me more about the weather in spring."})
+        out = post_json(f"{url}/v1/chat/completions", {"model": "default", "messages": messages,
+                                                       "max_tokens": 12, "temperature": 0})
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+    return {"cached": cached, "before": before, "after": get_json(f"{url}/vamp/stats")}
+
+
 def _serve(setup, name, flags, tp_size=1):
     setup = ServerSetup(setup.model_path, max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=setup.log_dir)
     with Server(setup, ServerConfig(name, tuple(flags))) as server:
-        run = {"load": _workload(server.url), "stats": get_json(f"{server.url}/vamp/stats")}
+        run = {"chat": _chat(server.url)} if name == "stock" else {}
+        run.update(load=_workload(server.url), stats=get_json(f"{server.url}/vamp/stats"))
         if tp_size > 1:
             run["pool_by_rank"] = [_metric(server.url, "vamp:kv_pool_tokens", r) for r in range(tp_size)]
         if "--vamp-restore-after-steps" in flags:
@@ -142,3 +156,14 @@ def test_experts_come_back_once_the_load_stops(runs, name):
     assert stats["decisions"]["restore"] >= 1
     assert stats["experts"]["offloaded_groups"] == 0
     assert stats["kv_pool"]["tokens"] == POOL_TOKENS
+
+
+def test_chat_turns_hit_the_cache_and_stats_are_live(runs):
+    """The walking skeleton: multi-turn chat through our launcher, cached tokens grow turn by turn,
+    and /vamp/stats answers from the live scheduler (its step counter moves)."""
+    chat = runs["stock"]["chat"]
+    assert chat["cached"][0] < chat["cached"][1] < chat["cached"][2]
+    assert chat["after"]["step"] > chat["before"]["step"]
+    assert chat["after"]["radix"]["cached_tokens"] > 0
+    assert chat["after"]["radix"]["hit_rate"] > 0
+    assert set(chat["after"]["decisions"]) == {"offload", "evict", "preempt", "combined", "restore"}
