@@ -129,8 +129,8 @@ class DecisionMaker:
         result = None
         if chosen.action != "preempt":
             result = original(allocator, tree_cache, num_tokens)
-        action = chosen.action if chosen.action in self.runtime.decisions else "evict"
-        self.runtime.decisions[action] += 1
+        # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined
+        self.runtime.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
         covered = allocator.available_size() >= num_tokens
         if site == "decode" and added and covered and gap > sum(b.tokens for b in snapshot.evictable):
             self.runtime.preemptions_avoided += 1
