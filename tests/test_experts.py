@@ -5,7 +5,6 @@ SGLang's `moe_forward_native`, random weights, a host backend with 64 KiB pages)
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vamp_sglang.memory.backend import select_backend
 from vamp_sglang.memory.experts import ExpertStore
@@ -33,18 +32,6 @@ def make_layout(weights, ratio, granularity_bytes=GRAN, staging_capacity_shards=
     return ExpertLayout.compute(sorted(weights), experts, w13[0].numel() * 4, w2[0].numel() * 4,
                                 granularity_bytes, ratio,
                                 experts if staging_capacity_shards is None else staging_capacity_shards)
-
-
-def moe_forward(x, router, w13, w2, top_k):
-    """Top-k softmax routing, SiLU-gated w13 then w2, per expert like `moe_forward_native`; [T, H]."""
-    weights, ids = torch.topk(torch.softmax(x @ router.T, dim=-1), top_k, dim=-1)  # [T, k]
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tok] @ w13[e].T).chunk(2, dim=-1)
-        out.index_add_(0, tok, (F.silu(gate) * up @ w2[e].T) * weights[tok, slot, None])
-    return out
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@ grows through the same tensors, and a failure at ANY step of offload or restore 
 
 import pytest
 import torch
-from test_experts import host_backend, make_layout, make_weights, moe_forward
+from test_experts import host_backend, make_layout, make_weights
 
+from eval.bench_memory import moe_forward
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import LayoutError
 from vamp_sglang.memory.repartition import AgreementMismatch, Repartitioner

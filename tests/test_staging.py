@@ -3,8 +3,9 @@ at 0%, 10%, 25% and the maximum offload (paper IV-D, V-B), and staging is what m
 
 import pytest
 import torch
-from test_experts import host_backend, make_layout, make_weights, moe_forward
+from test_experts import host_backend, make_layout, make_weights
 
+from eval.bench_memory import moe_forward
 from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = [0, 1, 2, 3], 40, 128, 128, 4, 64  # g = 1

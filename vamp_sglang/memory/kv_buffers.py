@@ -51,13 +51,7 @@ class GrowableKVBuffers:
             for _ in range(2 * layers):
                 region = PagedRegion(backend, self.max_pages_per_buffer * gran)
                 self._regions.append(region)
-                for _ in range(initial_pages):
-                    handle = backend.create(gran)
-                    try:
-                        region.append(handle)
-                    except BaseException:
-                        backend.release(handle)
-                        raise
+                region.append_new_pages(initial_pages)
         except BaseException:
             self.close()
             raise

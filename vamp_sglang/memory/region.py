@@ -48,6 +48,16 @@ class PagedRegion:
         self._handles.append(handle)
         self._mapped_bytes += handle.nbytes
 
+    def append_new_pages(self, count: int) -> None:
+        """Create `count` one-granule pages and map each at the tail; a page that fails to map is released."""
+        for _ in range(count):
+            handle = self.backend.create(self.backend.granularity_bytes)
+            try:
+                self.append(handle)
+            except BaseException:
+                self.backend.release(handle)
+                raise
+
     def extend(self, handles: Sequence[PageHandle]) -> None:
         """Append several pages, all or none: a failure unmaps the ones this call mapped."""
         start_count = len(self._handles)

@@ -45,13 +45,7 @@ class StagingSlot:
             for group_pages in (layout.w13_group_pages, layout.w2_group_pages):
                 region = PagedRegion(backend, layout.bound_groups * group_pages * gran)
                 self._regions.append(region)
-                for _ in range(layout.bound_groups * group_pages):
-                    handle = backend.create(gran)
-                    try:
-                        region.append(handle)
-                    except BaseException:
-                        backend.release(handle)
-                        raise
+                region.append_new_pages(layout.bound_groups * group_pages)
         except BaseException:
             self.close(backend)
             raise
