@@ -31,6 +31,7 @@ class ServerConfig:
 
     name: str
     flags: tuple[str, ...] = ()
+    plain_sglang: bool = False  # `python -m sglang.launch_server` itself: no VAMP plugin, no --vamp-* flags
 
 
 @dataclass(frozen=True)
@@ -56,14 +57,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launch_env(setup: ServerSetup, config: ServerConfig) -> dict[str, str]:
+    """The server's environment; plain SGLang on CPU gets by hand what our launcher sets up for it."""
+    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if config.plain_sglang and setup.device == "cpu":
+        from vamp_sglang.cpu import cpu_environment
+
+        env |= cpu_environment(setup.tp_size, env)
+    return env
+
+
 def launch_argv(setup: ServerSetup, config: ServerConfig, port: int) -> list[str]:
-    argv = [sys.executable, "-m", "vamp_sglang.launch_server", "--model-path", setup.model_path,
+    launcher = "sglang.launch_server" if config.plain_sglang else "vamp_sglang.launch_server"
+    argv = [sys.executable, "-m", launcher, "--model-path", setup.model_path,
             "--device", setup.device, "--host", "127.0.0.1", "--port", str(port),
             "--max-total-tokens", str(setup.max_total_tokens)]
     if setup.tp_size != 1:
         argv += ["--tp-size", str(setup.tp_size)]
     given = set(setup.extra_flags) | set(config.flags)
-    return argv + [f for f in ALWAYS_FLAGS if f not in given] + list(setup.extra_flags) + list(config.flags)
+    argv += [f for f in ALWAYS_FLAGS if f not in given] + list(setup.extra_flags) + list(config.flags)
+    if config.plain_sglang and setup.device == "cpu":
+        from vamp_sglang.cpu import cpu_server_defaults
+
+        argv += cpu_server_defaults()
+    return argv
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -103,7 +120,7 @@ class Server:
         log_dir = Path(self.setup.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.config.name}-{self.port}.log"
-        env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = launch_env(self.setup, self.config)
         argv = launch_argv(self.setup, self.config, self.port)
         with open(self.log_path, "w") as log:
             log.write("$ " + " ".join(argv) + "\n")

@@ -1,8 +1,10 @@
 """The decision at every KV shortfall, through real CPU servers (issue 5).
 
-Three servers, one after another, get the same closed-loop multi-turn workload (4 sessions x 8
+Four servers, one after another, get the same closed-loop multi-turn workload (4 sessions x 8
 turns, context growing by ~100 tokens a turn) over a pool far smaller than the sessions' reusable
-prefixes: stock SGLang (`--vamp-max-offload-ratio 0`), VAMP-15 at TP 1 and VAMP-15 at TP 2.
+prefixes: plain `sglang.launch_server`, ours with `--vamp-max-offload-ratio 0`, VAMP-15 at TP 1 and
+VAMP-15 at TP 2.
+- ratio 0 behaves exactly like plain SGLang (outputs, cache hits, retractions);
 - VAMP grows the pool from expert memory, logs offload decisions with all four costs, keeps more
   prefixes (higher hit rate) and returns greedy outputs identical to stock SGLang;
 - at TP 2 both ranks log the same decisions with equal pool sizes, and outputs match TP 1;
@@ -54,12 +56,19 @@ def _workload(url, seed_base=0, turns=TURNS):
             "hit_rate": sum(r[1] for r in results) / sum(r[2] for r in results)}
 
 
+def _sequential(url):
+    """The sessions one after another: scheduling, and so eviction, is then deterministic."""
+    results = [_session(url, 200 + s, TURNS) for s in range(SESSIONS)]
+    return {"answers": [r[0] for r in results],
+            "hit_rate": sum(r[1] for r in results) / sum(r[2] for r in results)}
+
+
 def _metric(url, name, rank):
+    """One Prometheus sample: the series of `rank`, or the sum over series when rank is None."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{") and f'tp_rank="{rank}"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                  if line.startswith(name + "{") and (rank is None or f'tp_rank="{rank}"' in line)]
+    return sum(values) if values else None
 
 
 def _chat(url, turns=3):
@@ -75,11 +84,20 @@ def _chat(url, turns=3):
     return {"cached": cached, "before": before, "after": get_json(f"{url}/vamp/stats")}
 
 
+def _serve_plain(setup):
+    """`python -m sglang.launch_server` itself, for the no-regression comparison with ratio 0."""
+    setup = ServerSetup(setup.model_path, max_total_tokens=POOL_TOKENS, log_dir=setup.log_dir)
+    with Server(setup, ServerConfig("plain-sglang", plain_sglang=True)) as server:
+        return {"load": _workload(server.url), "sequential": _sequential(server.url),
+                "retractions": _metric(server.url, "sglang:num_retracted_requests_total", None)}
+
+
 def _serve(setup, name, flags, tp_size=1):
     setup = ServerSetup(setup.model_path, max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=setup.log_dir)
     with Server(setup, ServerConfig(name, tuple(flags))) as server:
-        run = {"chat": _chat(server.url)} if name == "stock" else {}
-        run.update(load=_workload(server.url), stats=get_json(f"{server.url}/vamp/stats"))
+        run = {"chat": _chat(server.url), "sequential": _sequential(server.url)} if name == "stock" else {}
+        run.update(load=_workload(server.url), stats=get_json(f"{server.url}/vamp/stats"),
+                   retractions=_metric(server.url, "sglang:num_retracted_requests_total", None))
         if tp_size > 1:
             run["pool_by_rank"] = [_metric(server.url, "vamp:kv_pool_tokens", r) for r in range(tp_size)]
         if "--vamp-restore-after-steps" in flags:
@@ -98,6 +116,7 @@ def runs(tmp_path_factory):
     setup = ServerSetup(str(model), log_dir=str(logs))
     decision_log = logs / "decisions.jsonl"
     return {
+        "plain": _serve_plain(setup),
         "stock": _serve(setup, "stock", ("--vamp-max-offload-ratio", "0")),
         "vamp": _serve(setup, "vamp", (*VAMP, "--vamp-decision-log", str(decision_log))),
         "tp2": _serve(setup, "vamp-tp2", (*VAMP, "--vamp-decision-log", str(logs / "tp2.jsonl")), tp_size=2),
@@ -167,3 +186,13 @@ def test_chat_turns_hit_the_cache_and_stats_are_live(runs):
     assert chat["after"]["radix"]["cached_tokens"] > 0
     assert chat["after"]["radix"]["hit_rate"] > 0
     assert set(chat["after"]["decisions"]) == {"offload", "evict", "preempt", "combined", "restore"}
+
+
+def test_ratio_zero_behaves_like_plain_sglang(runs):
+    """No regression with VAMP off: same outputs, cache hits and retractions as SGLang's own launcher."""
+    plain, stock = runs["plain"], runs["stock"]
+    assert stock["load"]["answers"] == plain["load"]["answers"]
+    assert stock["sequential"]["answers"] == plain["sequential"]["answers"]
+    assert stock["sequential"]["hit_rate"] == pytest.approx(plain["sequential"]["hit_rate"])
+    assert 0 < plain["sequential"]["hit_rate"] < 1
+    assert stock["retractions"] == plain["retractions"]
