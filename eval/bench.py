@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from eval import client, server_metrics
-from eval.multiturn import MultiTurnSpec, generate_multiturn
+from eval.multiturn import MultiTurnSpec, add_shape_args, generate_multiturn, spec_from_args
 from eval.replay import Replayer, ReplayOptions
 from eval.stats import summarize
 from eval.synth import TokenSpace
@@ -111,18 +111,11 @@ async def run_bench(spec: BenchSpec, options: ReplayOptions) -> dict[str, Any]:
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Workload flags shared by eval.bench and the runners."""
-    d = MultiTurnSpec()
     parser.add_argument("--workload", choices=("multiturn", "trace"), default="multiturn")
     parser.add_argument("--trace", help="session-trace JSONL (see eval.trace_format) for --workload trace")
     parser.add_argument("--scale", type=float, default=1.0, help="scale trace token counts, e.g. 0.05")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests of the trace")
-    parser.add_argument("--turns", type=int, default=d.turns)
-    parser.add_argument("--first-turn-tokens", type=int, default=d.first_turn_tokens)
-    parser.add_argument("--turn-growth-tokens", type=int, default=d.turn_growth_tokens)
-    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
-    parser.add_argument("--think-time-s", type=float, default=d.think_time_s)
-    parser.add_argument("--block-tokens", type=int, default=d.block_tokens)
-    parser.add_argument("--shared-prefix-tokens", type=int, default=d.shared_prefix_tokens)
+    add_shape_args(parser)
     parser.add_argument("--vocab-size", type=int, help="default: read from the server model's config.json")
     parser.add_argument("--api", choices=client.API_MODES, default="generate")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival/think times")
@@ -132,9 +125,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def specs_from_args(args: argparse.Namespace, url: str) -> tuple[BenchSpec, ReplayOptions]:
-    mt = MultiTurnSpec(args.sessions or MultiTurnSpec.sessions, args.turns, args.first_turn_tokens,
-                       args.turn_growth_tokens, args.output_tokens, args.think_time_s, args.block_tokens,
-                       args.shared_prefix_tokens).validate()
+    mt = spec_from_args(args, args.sessions or MultiTurnSpec.sessions).validate()
     spec = BenchSpec(args.workload, args.trace, args.scale, args.max_requests, mt, args.vocab_size)
     options = ReplayOptions(url, args.api, max_sessions=args.sessions if args.workload == "trace" else None,
                             time_scale=args.time_scale, max_duration_s=args.max_duration_s,

@@ -11,7 +11,7 @@ import collections
 from pathlib import Path
 
 from eval.mooncake import import_mooncake
-from eval.multiturn import MultiTurnSpec, generate_multiturn
+from eval.multiturn import MultiTurnSpec, add_shape_args, generate_multiturn, spec_from_args
 from eval.sweagent import import_sweagent
 from eval.trace_format import TraceRequest, dump_trace, scale_request, traces_dir
 
@@ -21,9 +21,7 @@ SWEAGENT_DIR = "sweagent_demonstrations"
 
 def _source(args: argparse.Namespace) -> list[TraceRequest]:
     if args.source == "multiturn":
-        return generate_multiturn(MultiTurnSpec(
-            args.sessions, args.turns, args.first_turn_tokens, args.turn_growth_tokens, args.output_tokens,
-            args.think_time_s, args.block_tokens, args.shared_prefix_tokens))
+        return generate_multiturn(spec_from_args(args, args.sessions))
     root = Path(args.input) if args.input else traces_dir()
     if args.source == "mooncake":
         path = root / MOONCAKE_FILE if root.is_dir() else root
@@ -57,13 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scale token counts, e.g. 0.05 for CPU")
     parser.add_argument("--max-requests", type=int)
     parser.add_argument("--sessions", type=int, default=d.sessions)
-    parser.add_argument("--turns", type=int, default=d.turns)
-    parser.add_argument("--first-turn-tokens", type=int, default=d.first_turn_tokens)
-    parser.add_argument("--turn-growth-tokens", type=int, default=d.turn_growth_tokens)
-    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
-    parser.add_argument("--think-time-s", type=float, default=d.think_time_s)
-    parser.add_argument("--block-tokens", type=int, default=d.block_tokens)
-    parser.add_argument("--shared-prefix-tokens", type=int, default=d.shared_prefix_tokens)
+    add_shape_args(parser)
     args = parser.parse_args(argv)
     try:
         requests = _source(args)[: args.max_requests]

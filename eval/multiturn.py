@@ -8,6 +8,7 @@ reusable prefix footprint that must stay in the KV pool, which is what locates t
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,25 @@ class MultiTurnSpec:
 
     def max_context_tokens(self) -> int:
         return self.input_tokens(self.turns - 1) + self.output_tokens
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The per-session shape flags (everything but --sessions), shared by eval.bench, the runners and
+    eval.make_trace; defaults are MultiTurnSpec's."""
+    d = MultiTurnSpec()
+    parser.add_argument("--turns", type=int, default=d.turns)
+    parser.add_argument("--first-turn-tokens", type=int, default=d.first_turn_tokens)
+    parser.add_argument("--turn-growth-tokens", type=int, default=d.turn_growth_tokens)
+    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    parser.add_argument("--think-time-s", type=float, default=d.think_time_s)
+    parser.add_argument("--block-tokens", type=int, default=d.block_tokens)
+    parser.add_argument("--shared-prefix-tokens", type=int, default=d.shared_prefix_tokens)
+
+
+def spec_from_args(args: argparse.Namespace, sessions: int) -> MultiTurnSpec:
+    """The MultiTurnSpec the `add_shape_args` flags describe, for `sessions` sessions (not validated)."""
+    return MultiTurnSpec(sessions, args.turns, args.first_turn_tokens, args.turn_growth_tokens,
+                         args.output_tokens, args.think_time_s, args.block_tokens, args.shared_prefix_tokens)
 
 
 def _hash_ids(spec: MultiTurnSpec, session: int, input_tokens: int) -> tuple[int, ...]:

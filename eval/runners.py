@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eval import plots
 from eval.bench import BenchSpec, add_workload_args
-from eval.multiturn import MultiTurnSpec
+from eval.multiturn import spec_from_args
 from eval.replay import ReplayOptions
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
 
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out_dir or f"results/{args.target}")
     setup = ServerSetup(args.model, args.device, args.max_total_tokens, args.tp, tuple(args.server_flags.split()),
                         args.startup_timeout_s, str(out_dir / "logs"))
-    mt = MultiTurnSpec(1, args.turns, args.first_turn_tokens, args.turn_growth_tokens, args.output_tokens,
-                       args.think_time_s, args.block_tokens, args.shared_prefix_tokens).validate()
+    mt = spec_from_args(args, sessions=1).validate()
     spec = BenchSpec(args.workload, args.trace, args.scale, args.max_requests, mt, args.vocab_size)
     options = ReplayOptions("", args.api, time_scale=args.time_scale, max_duration_s=args.max_duration_s,
                             exact_output=args.exact_output).validate()
