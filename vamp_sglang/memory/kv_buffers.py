@@ -20,7 +20,7 @@ import torch
 
 from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
 from vamp_sglang.memory.journal import Journal, atomic
-from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes
+from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes, pages_for_rows
 from vamp_sglang.memory.region import PagedRegion, bytes_checksum
 
 
@@ -148,11 +148,3 @@ class GrowableKVBuffers:
             region.regrow(tensor, shape)
         journal.record(lambda: [region.regrow(t, (old_rows, self.heads, self.head_dim))
                                 for region, t in zip(self._regions, self._buffers)])
-
-
-def pages_for_rows(rows: int, row_bytes: int, granularity_bytes: int, row_multiple: int) -> int:
-    """Fewest pages per buffer whose capacity (whole rows, rounded to row_multiple) reaches `rows`."""
-    pages = -(-rows * row_bytes // granularity_bytes)
-    while kv_rows_for_bytes(pages * granularity_bytes, row_bytes, row_multiple) < rows:
-        pages += 1
-    return pages

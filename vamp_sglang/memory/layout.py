@@ -157,6 +157,15 @@ def kv_rows_for_bytes(mapped_bytes: int, row_bytes: int, row_multiple: int = 1) 
     return rows - rows % row_multiple
 
 
+
+def pages_for_rows(rows: int, row_bytes: int, granularity_bytes: int, row_multiple: int) -> int:
+    """Fewest pages per buffer whose capacity (whole rows, rounded to row_multiple) reaches `rows`."""
+    pages = -(-rows * row_bytes // granularity_bytes)
+    while kv_rows_for_bytes(pages * granularity_bytes, row_bytes, row_multiple) < rows:
+        pages += 1
+    return pages
+
+
 def _check(ok: bool, field: str, value: object, message: str) -> None:
     if not ok:
         raise LayoutError(f"{field} {message} (got {value!r})")
