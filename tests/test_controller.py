@@ -1,4 +1,4 @@
-"""The rank controller with real processes and real ZMQ ipc sockets.
+"""The rank controller with real processes and real ZMQ ipc sockets (TCP: test_controller_tcp.py).
 
 Each rank runs in its own spawned process and follows a script; every process waits on one barrier
 before its script starts, so "late" and "silent" mean the same thing on every run. Time-outs are
@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 
 import msgpack
@@ -34,8 +35,11 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _rank_main(rank, world_size, ipc_dir, script, barrier, out_path):
-    """One rank: open the controller at its first step that is not a sleep, then follow the script."""
+def _rank_main(rank, world_size, ipc_dir, script, barrier, out_path, link):
+    """One rank: open the controller at its first step that is not a sleep, then follow the script.
+
+    ("die",) kills the process on the spot, as a lost node would vanish: no close, no goodbye.
+    """
     lines = _Lines()
     log = logging.getLogger("vamp_sglang.controller")
     log.addHandler(lines)
@@ -46,7 +50,9 @@ def _rank_main(rank, world_size, ipc_dir, script, barrier, out_path):
         if op == "sleep":
             time.sleep(args[0])
             continue
-        controller = controller or RankController(rank, world_size, ipc_dir, TIMEOUT_S)
+        controller = controller or RankController(rank, world_size, ipc_dir, TIMEOUT_S, **link)
+        if op == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
         if op == "agree":
             results.append(controller.agree_min(*args))
         elif op == "ok":
@@ -57,26 +63,33 @@ def _rank_main(rank, world_size, ipc_dir, script, barrier, out_path):
         json.dump({"results": results, "logs": lines.lines}, out)
 
 
-def run_ranks(tmp_path, world_size, scripts):
-    """Run `scripts` (rank -> steps) in spawned processes; ranks without a script never start."""
-    ipc_dir = make_private_ipc_dir()
+def run_ranks(tmp_path, world_size, scripts, link=None):
+    """Run `scripts` (rank -> steps) in spawned processes; ranks without a script never start.
+
+    `link` holds RankController's TCP arguments (tcp_endpoint, key_file); None means a fresh ipc dir.
+    Ranks whose script dies return no result.
+    """
+    ipc_dir = make_private_ipc_dir() if link is None else None
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(len(scripts))
     processes = {rank: context.Process(target=_rank_main, args=(rank, world_size, ipc_dir, script, barrier,
-                                                               str(tmp_path / f"rank{rank}.json")))
+                                                               str(tmp_path / f"rank{rank}.json"), link or {}))
                  for rank, script in scripts.items()}
+    dying = {rank for rank, script in scripts.items() if ("die",) in script}
     try:
         for process in processes.values():
             process.start()
         for process in processes.values():
             process.join(JOIN_GUARD_S)
-        assert [p.exitcode for p in processes.values()] == [0] * len(processes)
+        assert {r: p.exitcode for r, p in processes.items()} == {
+            r: -signal.SIGKILL if r in dying else 0 for r in processes}
     finally:
         for process in processes.values():
             if process.is_alive():
                 process.kill()
-        shutil.rmtree(ipc_dir)
-    return {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in scripts}
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir)
+    return {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in scripts if rank not in dying}
 
 
 def _agree_then_ok(rounds):

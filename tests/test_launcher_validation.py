@@ -43,6 +43,13 @@ BAD_FLAGS = [
     (["--tp-size", "0"], "--tp-size"),
     (["--vamp-initial-offload-ratio", "0.2"], "--vamp-initial-offload-ratio"),
     (["--vamp-initial-offload-ratio", "-0.1"], "--vamp-initial-offload-ratio"),
+    (["--vamp-controller-port", "70000"], "--vamp-controller-port"),
+    (["--vamp-controller-port", "-1"], "--vamp-controller-port"),
+    (["--vamp-controller-key-file", "/nonexistent/vamp.key"], "--vamp-controller-key-file"),
+    (["--nnodes", "2", "--tp-size", "2"], "--dist-init-addr"),
+    (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:25000"], "--vamp-controller-key-file"),
+    (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:25000"], "--node-rank"),
+    (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:25000"], "--tp-size"),
 ]
 
 
@@ -87,3 +94,58 @@ def test_defaults_are_the_papers():
     assert (c.alpha, c.tau_steps, c.t_prefill_us, c.t_sched_us, c.t_queue_us, c.c_reload_ms) == (
         0.5, 2000, 15.0, 500.0, 1000.0, 0.63)
     assert c.max_offload_ratio == 0.15 and c.expand_groups == 4
+
+
+# --- --nnodes > 1: the rank controller over TCP with CURVE --------------------------------------------
+def _two_nodes(key_file, node_rank=1, addr="127.0.0.1:25000"):
+    return MODEL + ["--tp-size", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--dist-init-addr", addr,
+                    "--vamp-controller-key-file", str(key_file)]
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    from vamp_sglang.controller.keys import generate_key_file
+
+    path = tmp_path / "vamp.key"
+    generate_key_file(str(path))
+    return path
+
+
+def test_a_key_file_with_mode_0644_is_refused_at_start(key_file):
+    key_file.chmod(0o644)
+    for argv in (_two_nodes(key_file), MODEL + ["--vamp-controller-key-file", str(key_file)]):
+        with pytest.raises(ConfigError, match="--vamp-controller-key-file: key file .* has mode 0644"):
+            launch_server.prepare(argv)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "vamp_sglang.launch_server", *_two_nodes(key_file)],
+                          check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "has mode 0644; group and others must have no access" in proc.stderr
+    assert time.monotonic() - start < 30, "validation must not wait for SGLang to import"
+
+
+def test_two_nodes_export_the_controller_endpoint_derived_from_dist_init_addr(key_file):
+    import json
+
+    from vamp_sglang import config
+
+    exported = json.loads(launch_server.prepare(_two_nodes(key_file)).env[config.ENV_CONTROLLER_TCP])
+    assert exported == {"host": "127.0.0.1", "port": 25007, "key_file": str(key_file)}
+    moved = launch_server.prepare(_two_nodes(key_file) + ["--vamp-controller-port", "26001"])
+    assert json.loads(moved.env[config.ENV_CONTROLLER_TCP])["port"] == 26001
+    for one_node in (MODEL + ["--vamp-controller-key-file", str(key_file)],
+                     _two_nodes(key_file) + ["--vamp-max-offload-ratio", "0"]):
+        assert config.ENV_CONTROLLER_TCP not in launch_server.prepare(one_node).env  # ipc, or VAMP off
+
+
+def test_two_nodes_refuse_a_wildcard_host_and_a_taken_port_on_node_0(key_file):
+    import socket
+
+    with pytest.raises(ConfigError, match="--dist-init-addr host '0.0.0.0' is a wildcard"):
+        launch_server.prepare(_two_nodes(key_file, addr="0.0.0.0:25000"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        dist_port = taken.getsockname()[1] - 7
+        with pytest.raises(ConfigError, match="node 0 cannot bind the controller port"):
+            launch_server.prepare(_two_nodes(key_file, node_rank=0, addr=f"127.0.0.1:{dist_port}"))
+        launch_server.prepare(_two_nodes(key_file, node_rank=1, addr=f"127.0.0.1:{dist_port}"))  # node 1 connects

@@ -2,8 +2,9 @@
 
 Every TP rank of an SGLang scheduler reaches the KV shortfall funnel at the same point with the same
 arguments, but each rank's memory can differ a little, so the ranks must agree before any of them
-moves expert pages. Rank 0 leads: it binds a ZMQ ROUTER socket in a private ipc directory, the
-followers connect DEALER sockets named after their rank (either side may start first). A round is
+moves expert pages. Rank 0 leads: it binds a ZMQ ROUTER socket in a private ipc directory (one
+node) or on TCP with CURVE authentication (`--nnodes > 1`, see `tcp`), the followers connect DEALER
+sockets named after their rank (either side may start first). A round is
 
     n = ctl.agree_min(round_id, tokens_i_can_add)   # phase 0: leader takes the minimum, broadcasts it
     ok = remap(n) if n else True                     # each rank tries exactly n
@@ -36,6 +37,7 @@ import zmq
 
 from vamp_sglang import config
 from vamp_sglang.controller.ipc import ControllerError, check_private_dir, leader_socket_path
+from vamp_sglang.controller.keys import load_key_file
 from vamp_sglang.controller.messages import (
     PHASE_OF,
     Decision,
@@ -47,6 +49,7 @@ from vamp_sglang.controller.messages import (
     decode,
     encode,
 )
+from vamp_sglang.controller.tcp import TcpChannel, TcpEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +75,14 @@ def _check_count(name: str, value: object) -> int:
 
 
 class RankController:
-    """One TP rank's end of the agreement; `world_size` 1 needs no sockets and agrees with itself."""
+    """One TP rank's end of the agreement; `world_size` 1 needs no sockets and agrees with itself.
+
+    The ranks meet in `ipc_dir`, or, when `tcp_endpoint` is given, at that TCP endpoint, admitted by
+    the CURVE key pair in `key_file`.
+    """
 
     def __init__(self, rank: int, world_size: int, ipc_dir: str | None, timeout_s: float = 5.0,
-                 group_id: int = 0) -> None:
+                 group_id: int = 0, tcp_endpoint: TcpEndpoint | None = None, key_file: str | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1 (got {world_size!r})")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -89,7 +96,13 @@ class RankController:
         self._stash: dict[tuple[Stage, int], Message] = {}  # messages for a later stage, by sender
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
+        self._channel: TcpChannel | None = None
         if world_size == 1:
+            return
+        if tcp_endpoint is not None:
+            if key_file is None:
+                raise ControllerError("a TCP controller needs a key_file (--vamp-controller-key-file)")
+            self._open_tcp(tcp_endpoint.for_group(group_id), key_file)
             return
         if ipc_dir is None:
             raise ControllerError(f"world_size {world_size} needs an ipc_dir (set {config.ENV_CONTROL_DIR})")
@@ -98,7 +111,12 @@ class RankController:
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float = 5.0, group_id: int = 0) -> "RankController":
-        """The controller of a scheduler process, its ipc_dir exported by the VAMP launcher."""
+        """The controller of a scheduler process: TCP when the VAMP launcher exported an endpoint
+        (`--nnodes > 1`), else the ipc_dir it exported."""
+        tcp = config.controller_tcp()
+        if tcp is not None:
+            host, port, key_file = tcp
+            return cls(rank, world_size, None, timeout_s, group_id, TcpEndpoint(host, port), key_file)
         return cls(rank, world_size, config.control_dir(), timeout_s, group_id)
 
     @property
@@ -125,7 +143,20 @@ class RankController:
             self.close()
             raise ControllerError(f"rank {self.rank} cannot open the controller socket {path}: {exc}") from exc
 
+    def _open_tcp(self, endpoint: TcpEndpoint, key_file: str) -> None:
+        key = load_key_file(key_file)
+        self._context = zmq.Context()  # our own: one ZAP authenticator per context
+        try:
+            self._channel = TcpChannel(self._context, endpoint, key, self.is_leader, _routing_id(self.rank))
+        except (zmq.ZMQError, ControllerError) as exc:
+            self.close()
+            raise ControllerError(f"rank {self.rank} cannot open the controller on {endpoint.url}: {exc}") from exc
+        self._socket = self._channel.socket
+
     def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel, self._socket = None, None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None

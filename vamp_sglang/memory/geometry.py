@@ -113,3 +113,35 @@ def _int(config: Mapping[str, Any], key: str) -> int:
     if not isinstance(value, int) or value <= 0:
         raise GeometryError(f"config key {key!r} must be a positive integer (got {value!r})")
     return value
+
+
+def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str) -> int:
+    """Bytes of every weight one rank holds besides the routed experts: embeddings and LM head
+    (vocab-parallel), attention (heads split, KV heads replicated below tp), Qwen3-Next's
+    linear-attention layers, shared experts, routers and dense MLP layers.
+
+    Why: the KV pool at start is what the memory budget leaves after the weights (the capacity
+    planner's baseline, before any expert leaves). Norms and biases are left out (well under 0.1%)."""
+    geo = geometry_from_config(config, tp_size, dtype)
+    hidden, tp = geo.hidden_size, tp_size
+    vocab = _int(config, "vocab_size")
+    params = vocab * hidden // tp * (1 if config.get("tie_word_embeddings") else 2)
+    q_width = _int(config, "num_attention_heads") * geo.head_dim // tp
+    q_gate = 2 if config.get("model_type") == "qwen3_next" else 1  # Qwen3-Next gates attention output by q
+    attention = hidden * q_width * (q_gate + 1) + 2 * hidden * geo.kv_heads_per_rank * geo.head_dim
+    params += attention * len(geo.kv_layer_ids)
+    linear_layers = geo.num_layers - len(geo.kv_layer_ids)
+    if linear_layers:  # Qwen3-Next Gated DeltaNet: qkvz and ba projections, conv, output projection
+        key = _int(config, "linear_num_key_heads") * _int(config, "linear_key_head_dim")
+        value = _int(config, "linear_num_value_heads") * _int(config, "linear_value_head_dim")
+        kernel = int(config.get("linear_conv_kernel_dim", 4))
+        heads_v = _int(config, "linear_num_value_heads")
+        params += linear_layers * ((hidden * (2 * key + 2 * value) + hidden * 2 * heads_v
+                                    + (2 * key + value) * kernel + value * hidden) // tp)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    params += len(geo.moe_layer_ids) * (geo.local_experts * hidden + 3 * hidden * shared // tp
+                                        + (hidden if shared else 0))
+    dense_mlp_layers = geo.num_layers - len(geo.moe_layer_ids)
+    if dense_mlp_layers:
+        params += dense_mlp_layers * 3 * hidden * _int(config, "intermediate_size") // tp
+    return params * geo.dtype_bytes

@@ -1,0 +1,61 @@
+"""The launcher's choice of controller transport, made and checked before SGLang loads.
+
+One node: ipc in a private directory, as before. `--nnodes > 1` with VAMP on: TCP with CURVE,
+which needs `--dist-init-addr` (every node derives the leader's endpoint from it) and
+`--vamp-controller-key-file`. Everything that can be wrong is refused here, naming the flag:
+a missing or unsafe key file (group- or world-readable), a wildcard host, a port past 65535, and on
+node 0 a controller port that is already taken. Without these checks the ranks on different nodes
+would silently never agree and every KV shortfall would wait out both time-outs.
+"""
+
+import argparse
+import os
+from collections.abc import Callable
+
+from vamp_sglang import config
+from vamp_sglang.config import ConfigError, VampConfig
+from vamp_sglang.controller.ipc import ControllerError
+from vamp_sglang.controller.keys import check_key_file, load_key_file
+from vamp_sglang.controller.tcp import check_port_free, leader_endpoint
+
+
+def controller_env(vamp: VampConfig, sg: argparse.Namespace) -> dict[str, str]:
+    """The environment that makes `RankController.from_env` use TCP, or {} for ipc.
+
+    `sg` carries SGLang's `nnodes`, `node_rank`, `tp_size` and `dist_init_addr` flags.
+    """
+    key_file = vamp.controller_key_file
+    if key_file is not None:
+        _checked(check_key_file, key_file)  # refused even where unused: an unsafe key is never fine
+    if not vamp.enabled or sg.nnodes == 1:
+        return {}
+    _check_topology(sg)
+    if key_file is None:
+        raise ConfigError("--nnodes > 1 with VAMP on needs --vamp-controller-key-file (the same file on "
+                          "every node; make one with `python -m vamp_sglang.controller keygen PATH`)")
+    _checked(load_key_file, key_file)
+    try:
+        endpoint = leader_endpoint(sg.dist_init_addr, vamp.controller_port)
+        if sg.node_rank == 0:
+            check_port_free(endpoint)
+    except ControllerError as exc:
+        raise ConfigError(str(exc)) from None
+    return config.controller_tcp_env(endpoint.host, endpoint.port, os.path.abspath(key_file))
+
+
+def _checked(check: Callable[[str], object], key_file: str) -> None:
+    try:
+        check(key_file)
+    except ControllerError as exc:
+        raise ConfigError(f"--vamp-controller-key-file: {exc}") from None
+
+def _check_topology(sg: argparse.Namespace) -> None:
+    if sg.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1 (got {sg.nnodes})")
+    if not 0 <= sg.node_rank < sg.nnodes:
+        raise ConfigError(f"--node-rank must be in [0, --nnodes {sg.nnodes}) (got {sg.node_rank})")
+    if sg.tp_size % sg.nnodes:
+        raise ConfigError(f"--tp-size {sg.tp_size} must be a multiple of --nnodes {sg.nnodes}")
+    if sg.dist_init_addr is None:
+        raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (the same on every node); without "
+                          "it the nodes never meet and VAMP's ranks cannot agree")
