@@ -1,5 +1,9 @@
 """PagedRegion on real host pages: tail growth and shrink, in-place regrow, all-or-nothing failures."""
 
+import ctypes
+import errno
+import mmap
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -98,20 +102,44 @@ def test_append_past_the_reservation_is_refused(backend):
 
 
 class FailingMapBackend(HostPageBackend):
-    """Real host pages; the map number `fail_at` (0-based, counted from arming) fails after the mmap."""
+    """Real host pages. Once armed, the page mmap number `fail_at` (0-based) of a run fails, or with
+    fail_at == "populate" the run's one page population (the host's cuMemSetAccess) fails after every
+    mmap went in."""
 
     fail_at = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._libc = _FailingMmap(self._libc, self)
+
     def _populate(self, addr, nbytes):
-        if self.fail_at is not None:
-            self.fail_at -= 1
-            if self.fail_at < 0:
-                self.fail_at = None
-                raise OSError(12, "injected populate failure")
+        if self.fail_at == "populate":
+            self.fail_at = None
+            raise OSError(12, "injected populate failure")
         super()._populate(addr, nbytes)
 
 
-@pytest.mark.parametrize("fail_at", [0, 1, 2, 3])
+class _FailingMmap:
+    """libc with the armed backend's page mmap (MAP_SHARED of the memfd) failing with ENOMEM."""
+
+    def __init__(self, libc, backend):
+        self._libc, self._backend = libc, backend
+
+    def __getattr__(self, name):
+        return getattr(self._libc, name)
+
+    def mmap(self, addr, nbytes, prot, flags, fd, offset):
+        b = self._backend
+        if flags & mmap.MAP_SHARED and isinstance(b.fail_at, int):
+            b.fail_at -= 1
+            if b.fail_at < 0:
+                b.fail_at = None
+                ctypes.set_errno(errno.ENOMEM)
+                return ctypes.c_void_p(-1).value
+        return self._libc.mmap(addr, nbytes, prot, flags, fd, offset)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2, 3, "populate"])
 def test_extend_failing_at_any_page_leaves_the_region_unchanged(fail_at):
     b = FailingMapBackend("cpu", granularity_bytes=GRAN)
     try:
@@ -120,14 +148,38 @@ def test_extend_failing_at_any_page_leaves_the_region_unchanged(fail_at):
         before = (r.mapped_bytes, r.handles, r.page_checksums(), b.live_counts())
         new = [b.create(GRAN) for _ in range(4)]
         b.fail_at = fail_at
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(OSError, match="injected|Cannot allocate"):
             r.extend(new)
         assert (r.mapped_bytes, r.handles, r.page_checksums()) == before[:3]
         assert b.live_counts().mappings == before[3].mappings
+        assert not b.is_mapped(r.base + 2 * GRAN, GRAN)
         r.extend(new)  # every handle is still live and usable
         assert r.mapped_bytes == 6 * GRAN
     finally:
         b.close()
+
+
+def test_extend_sets_access_once_per_run():
+    """Issue 10 item 8: a run of pages is populated (the host's cuMemSetAccess) in one call."""
+    b = CountingPopulateBackend("cpu", granularity_bytes=GRAN)
+    try:
+        r = PagedRegion(b, 8 * GRAN)
+        r.append_new_pages(5)
+        assert b.populate_calls == [5 * GRAN]
+        r.append_new_pages(1)
+        assert b.populate_calls == [5 * GRAN, GRAN]
+    finally:
+        b.close()
+
+
+class CountingPopulateBackend(HostPageBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.populate_calls = []
+
+    def _populate(self, addr, nbytes):
+        self.populate_calls.append(nbytes)
+        super()._populate(addr, nbytes)
 
 
 class FailingUnmapBackend(HostPageBackend):

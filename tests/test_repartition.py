@@ -1,6 +1,8 @@
 """Repartitioner transactions on real host pages: pages leave the experts and join the KV tails, the pool
 grows through the same tensors, and a failure at ANY step of offload or restore changes nothing."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_experts import host_backend, make_layout, make_weights
@@ -21,12 +23,17 @@ class InjectedFault(RuntimeError):
 class FaultyBackend:
     """A real page backend whose `fail_on_call`-th map/unmap/create (counted from `arm`) raises instead."""
 
-    FAULTY = ("map", "unmap", "create")
+    FAULTY = ("map", "map_run", "unmap", "create")
 
     def __init__(self, backend):
         self._backend = backend
         self.calls = 0
         self.fail_on_call = None
+        self.log = []  # names of the page calls and synchronises, in order
+
+    def synchronize(self):
+        self.log.append("synchronize")
+        self._backend.synchronize()
 
     def arm(self, fail_on_call):
         self.calls, self.fail_on_call = 0, fail_on_call
@@ -38,6 +45,7 @@ class FaultyBackend:
 
         def call(*args):
             self.calls += 1
+            self.log.append(name)
             if self.calls == self.fail_on_call:
                 raise InjectedFault(f"{name} call {self.calls} failed")
             return attr(*args)
@@ -49,10 +57,12 @@ class PoolSize:
 
     def __init__(self, tokens):
         self.tokens, self.refuse, self.used_rows = tokens, False, 0
+        self.log = []
 
     def resize(self, old, new):
         assert old == self.tokens
         if self.refuse:
+            self.log.append("refused")
             raise InjectedFault("a rank refused the new pool size")
         self.tokens = new
 
@@ -71,6 +81,7 @@ def system():
     for i, t in enumerate(kv.k_buffers + kv.v_buffers):
         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
     pool = PoolSize(kv.token_capacity)
+    pool.log = backend.log
     engine = StagingEngine(stores, "async")
     rp = Repartitioner(layout, stores, kv, pool.resize, tail_is_free=pool.tail_is_free, staging=engine)
     yield real, backend, weights, layout, stores, kv, pool, rp, engine
@@ -85,7 +96,8 @@ def system():
 
 
 def snapshot(real, stores, kv, pool, rp, live_rows):
-    return {"stats": rp.stats(), "pool": pool.tokens, "pages": kv.pages_per_buffer,
+    stats = dataclasses.replace(rp.stats(), remap_s=0.0, remapped_bytes=0)  # counters of completed remaps
+    return {"stats": stats, "pool": pool.tokens, "pages": kv.pages_per_buffer,
                 "shapes": [tuple(t.shape) for t in kv.k_buffers + kv.v_buffers],
                 "kv": kv.checksums(live_rows), "experts": [s.expert_checksums() for s in stores],
                 "boundaries": [s.boundary_expert for s in stores], "live": real.live_counts(),
@@ -161,7 +173,7 @@ def test_a_failure_at_any_step_of_offload_or_restore_changes_nothing(system):
     offload_calls = count_calls(backend, lambda: rp.offload(2))
     restore_calls = count_calls(backend, lambda: rp.restore(2))
     assert snapshot(real, stores, kv, pool, rp, pool.used_rows) == before
-    assert offload_calls > 40 and restore_calls > 40
+    assert offload_calls > 25 and restore_calls > 25  # runs of pages map in one call each
     for k in range(1, offload_calls + 1):
         backend.arm(k)
         with pytest.raises(InjectedFault):
@@ -226,3 +238,28 @@ def test_kv_reservation_must_cover_the_bound():
         store.close()
     staging.close()
     real.close()
+
+
+def test_a_rollback_synchronises_before_it_unmaps(system):
+    """Issue 10 item 2: the last step may fail while a zero-fill of the new KV rows is still queued on
+    the device; the rollback must synchronise before it unmaps any page."""
+    _real, backend, _weights, _layout, _stores, _kv, pool, rp, _engine = system
+    pool.refuse = True
+    for remap in (lambda: rp.offload(2), lambda: (setattr(pool, "refuse", False), rp.offload(2),
+                                                  setattr(pool, "refuse", True), rp.restore(2))):
+        backend.log.clear()
+        with pytest.raises(InjectedFault, match="refused"):
+            remap()
+        rollback = backend.log[backend.log.index("refused") + 1:]
+        assert rollback[0] == "synchronize" and "unmap" in rollback
+
+
+def test_one_synchronise_per_transaction(system):
+    """Issue 10 item 8: the stores and KV buffers inside a transaction do not synchronise again."""
+    _real, backend, _weights, _layout, _stores, _kv, _pool, rp, _engine = system
+    for remap in (lambda: rp.offload(3), lambda: rp.restore(2)):
+        backend.log.clear()
+        remap()
+        assert backend.log.count("synchronize") == 1 and backend.log[0] == "synchronize"
+    assert rp.stats().remapped_bytes == 5 * rp.layout.bytes_freed_per_group
+    assert rp.stats().remap_s > 0 and rp.stats().remap_gib_per_s > 0

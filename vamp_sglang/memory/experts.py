@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
+from vamp_sglang.memory.backend import HostArena, PageBackend, PageHandle, VmmRuleError
 from vamp_sglang.memory.journal import Journal, atomic
 from vamp_sglang.memory.layout import ExpertLayout, LayoutError
 from vamp_sglang.memory.region import bytes_checksum
@@ -33,7 +33,7 @@ class PagedWeight:
     """One expert weight `[E, *shard_shape]` over a reservation, one page per handle."""
 
     def __init__(self, backend: PageBackend, original: torch.Tensor, group_pages: int, bound_groups: int,
-                 alias_pages: Sequence[PageHandle]) -> None:
+                 alias_pages: Sequence[PageHandle], host_arena: HostArena) -> None:
         gran = backend.granularity_bytes
         experts = original.shape[0]
         self.backend = backend
@@ -51,10 +51,9 @@ class PagedWeight:
         try:
             with atomic(None) as journal:
                 journal.record(lambda: backend.free_reservation(self.base, self.pages * gran))
-                for i in range(self.pages):
-                    handle = journal.run(lambda: backend.create(gran), backend.release)
-                    journal.run(lambda i=i, h=handle: self._map(i, h), lambda _, i=i: self._unmap(i))
-                    self._own.append(handle)
+                own = [journal.run(lambda: backend.create(gran), backend.release) for _ in range(self.pages)]
+                self._map_run(0, own, journal)
+                self._own = list(own)
         except BaseException:
             self._own = []
             raise
@@ -62,8 +61,8 @@ class PagedWeight:
             self.tensor = backend.tensor(self.base + self.pad_bytes, experts * self.shard_bytes,
                                          original.dtype, original.shape)
             self.tensor.copy_(original)
-            rows = bound_groups * group_pages * gran // self.shard_bytes
-            flat = backend.host_buffer(rows * self.shard_bytes)
+            rows = host_rows(bound_groups, group_pages, gran, self.shard_bytes)
+            flat = host_arena.take(rows * self.shard_bytes)
             self.host = flat.view(original.dtype).view(rows, *original.shape[1:])  # experts [E - rows, E)
             self.host.copy_(original[experts - rows:])
         except BaseException:
@@ -71,31 +70,30 @@ class PagedWeight:
             raise
 
     def offload_pages(self, first_page: int, end_page: int, journal: Journal) -> list[PageHandle]:
-        """Swap pages [first, end) from the layer's own pages to the staging alias; return own pages."""
-        freed: list[PageHandle] = []
-        for i in reversed(range(first_page, end_page)):
-            own = self._own[i]
-            if own is None:
-                raise VmmRuleError(f"page {i} is already offloaded")
-            alias = self._alias[self._slot_index(i)]
-            journal.run(lambda i=i: self._unmap(i), lambda _, i=i, own=own: self._map(i, own))
-            journal.run(lambda i=i, a=alias: self._map(i, a), lambda _, i=i: self._unmap(i))
-            self._own[i] = None
-            journal.record(lambda i=i, own=own: self._own.__setitem__(i, own))
-            freed.append(own)
-        return freed
+        """Swap pages [first, end) from the layer's own pages to the staging alias (one run, access set
+        once); return the own pages, highest first."""
+        own = self._own[first_page:end_page]
+        if any(h is None for h in own):
+            raise VmmRuleError(f"pages [{first_page}, {end_page}) are already partly offloaded")
+        for i in range(first_page, end_page):
+            journal.run(lambda i=i: self._unmap(i), lambda _, i=i, h=self._own[i]: self._map(i, h))
+        self._map_run(first_page, [self._alias[self._slot_index(i)] for i in range(first_page, end_page)],
+                      journal)
+        self._set_own(first_page, [None] * len(own), journal)
+        return own[::-1]
 
     def restore_pages(self, first_page: int, end_page: int, handles: Sequence[PageHandle],
                       journal: Journal) -> None:
         """Swap pages [first, end) from the staging alias back to `handles` (content not copied here)."""
-        for i, handle in zip(range(first_page, end_page), handles, strict=True):
-            if self._own[i] is not None:
-                raise VmmRuleError(f"page {i} is not offloaded")
-            alias = self._alias[self._slot_index(i)]
-            journal.run(lambda i=i: self._unmap(i), lambda _, i=i, a=alias: self._map(i, a))
-            journal.run(lambda i=i, h=handle: self._map(i, h), lambda _, i=i: self._unmap(i))
-            self._own[i] = handle
-            journal.record(lambda i=i: self._own.__setitem__(i, None))
+        handles = list(handles)
+        if len(handles) != end_page - first_page or any(h is not None for h in self._own[first_page:end_page]):
+            raise VmmRuleError(f"pages [{first_page}, {end_page}) are not all offloaded, or {len(handles)} "
+                               f"handles for them")
+        for i in range(first_page, end_page):
+            journal.run(lambda i=i: self._unmap(i),
+                        lambda _, i=i: self._map(i, self._alias[self._slot_index(i)]))
+        self._map_run(first_page, handles, journal)
+        self._set_own(first_page, handles, journal)
 
     def copy_from_host(self, first_expert: int, end_expert: int) -> None:
         """Write experts [first, end) back from the host copy (restore: new pages hold KV bytes)."""
@@ -120,6 +118,17 @@ class PagedWeight:
     def _map(self, page: int, handle: PageHandle) -> None:
         self.backend.map(self._addr(page), handle)
 
+    def _map_run(self, first_page: int, handles: Sequence[PageHandle], journal: Journal) -> None:
+        """Map `handles` at pages first.. as one run; the undo unmaps them page by page."""
+        journal.run(lambda: self.backend.map_run(self._addr(first_page), handles),
+                    lambda _: [self._unmap(i) for i in range(first_page, first_page + len(handles))])
+
+    def _set_own(self, first_page: int, handles: Sequence[PageHandle | None], journal: Journal) -> None:
+        end = first_page + len(handles)
+        old = self._own[first_page:end]
+        self._own[first_page:end] = handles
+        journal.record(lambda: self._own.__setitem__(slice(first_page, end), old))
+
     def _unmap(self, page: int) -> None:
         self.backend.unmap(self._addr(page), self.backend.granularity_bytes)
 
@@ -128,18 +137,28 @@ class ExpertStore:
     """An eligible MoE layer's w13 `[E, 2I, H]` and w2 `[E, H, I]`, with the offloaded tail movable."""
 
     def __init__(self, backend: PageBackend, layout: ExpertLayout, layer_id: int, w13: torch.Tensor,
-                 w2: torch.Tensor, alias_w13: Sequence[PageHandle] = (), alias_w2: Sequence[PageHandle] = ()) -> None:
+                 w2: torch.Tensor, alias_w13: Sequence[PageHandle] = (), alias_w2: Sequence[PageHandle] = (),
+                 host_arena: HostArena | None = None) -> None:
+        """`host_arena` holds the host copies (one arena for all layers, `host_copy_bytes`); without one
+        the store makes and owns an arena of its own."""
         _check_shapes(backend, layout, layer_id, w13, w2)
         self.backend = backend
         self.layout = layout
         self.layer_id = layer_id
         self.offloaded_groups = 0
         bound = layout.bound_groups
-        self._w13 = PagedWeight(backend, w13, layout.w13_group_pages, bound, alias_w13)
+        self._own_arena = backend.host_arena(host_copy_bytes(layout, 1)) if host_arena is None else None
+        arena = host_arena or self._own_arena
         try:
-            self._w2 = PagedWeight(backend, w2, layout.w2_group_pages, bound, alias_w2)
+            self._w13 = PagedWeight(backend, w13, layout.w13_group_pages, bound, alias_w13, arena)
+        except BaseException:
+            self._close_own_arena()
+            raise
+        try:
+            self._w2 = PagedWeight(backend, w2, layout.w2_group_pages, bound, alias_w2, arena)
         except BaseException:
             self._w13.close()
+            self._close_own_arena()
             raise
 
     @property
@@ -168,8 +187,9 @@ class ExpertStore:
         """Move the boundary down by `n_groups`: their pages leave (returned, still live) and the range
         reads the staging slot instead. All or nothing unless `journal` is given (then the caller rolls back)."""
         self.layout.check_offloaded_groups(self.offloaded_groups + n_groups)
-        self.backend.synchronize()
-        with atomic(journal) as j:
+        if journal is None:  # inside a transaction its owner synchronises once (issue 10 item 8)
+            self.backend.synchronize()
+        with atomic(journal, on_failure=self.backend.synchronize) as j:
             freed = self._move(n_groups, j, lambda w, first, end: w.offload_pages(first, end, j))
             self._set_offloaded(self.offloaded_groups + n_groups, j)
             return freed
@@ -180,8 +200,9 @@ class ExpertStore:
         returning experts and copy them back from the host copy."""
         self.layout.check_offloaded_groups(self.offloaded_groups - n_groups)
         need = n_groups * self.pages_per_group
-        self.backend.synchronize()
-        with atomic(journal) as j:
+        if journal is None:
+            self.backend.synchronize()
+        with atomic(journal, on_failure=self.backend.synchronize) as j:
             if handles is None:
                 gran = self.backend.granularity_bytes
                 handles = [j.run(lambda: self.backend.create(gran), self.backend.release) for _ in range(need)]
@@ -217,6 +238,12 @@ class ExpertStore:
         self.backend.synchronize()
         self._w13.close()
         self._w2.close()
+        self._close_own_arena()
+
+    def _close_own_arena(self) -> None:
+        if self._own_arena is not None:
+            self._own_arena.close()
+            self._own_arena = None
 
     def _move(self, n_groups: int, journal: Journal, step) -> list[PageHandle]:
         """Apply `step(weight, first_page, end_page)` over the pages of the groups crossing the boundary."""
@@ -231,6 +258,21 @@ class ExpertStore:
         old = self.offloaded_groups
         self.offloaded_groups = groups
         journal.record(lambda: setattr(self, "offloaded_groups", old))
+
+
+def host_rows(bound_groups: int, group_pages: int, granularity_bytes: int, shard_bytes: int) -> int:
+    """Expert rows of one weight's host copy: every row that may leave (its pages reach the bound)."""
+    return bound_groups * group_pages * granularity_bytes // shard_bytes
+
+
+def host_copy_bytes(layout: ExpertLayout, layers: int | None = None) -> int:
+    """Host arena bytes for the host copies of `layers` eligible layers (all of them by default)."""
+    n = len(layout.eligible_layer_ids) if layers is None else layers
+    gran, bound = layout.granularity_bytes, layout.bound_groups
+    sizes = [host_rows(bound, pages, gran, shard) * shard
+             for pages, shard in ((layout.w13_group_pages, layout.w13_shard_bytes),
+                                  (layout.w2_group_pages, layout.w2_shard_bytes))]
+    return n * HostArena.bytes_for(sizes)
 
 
 def _check_shapes(backend: PageBackend, layout: ExpertLayout, layer_id: int, w13: torch.Tensor,

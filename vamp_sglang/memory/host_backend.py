@@ -7,7 +7,8 @@ measurements). Each primitive mirrors a CUDA driver call:
     cuMemCreate          a range of one memfd, committed with fallocate so a shortage raises MemoryError now
                          instead of SIGBUS at first touch
     cuMemMap + SetAccess mmap(addr, RW, MAP_SHARED|MAP_FIXED, memfd, offset), then MADV_POPULATE_WRITE
-                         (which reports failure, unlike MAP_POPULATE); on failure the placeholder returns
+                         (which reports failure, unlike MAP_POPULATE) once per contiguous run of pages;
+                         on failure the placeholder returns
     cuMemUnmap           mmap(addr, PROT_NONE, MAP_FIXED anonymous): the VA is a placeholder again in one call,
                          with no munmap window in which another mmap could land there
     cuMemRelease         fallocate(PUNCH_HOLE) and the memfd range goes back on a free list
@@ -25,7 +26,13 @@ import sys
 
 import torch
 
-from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend, PageHandle, VmmRuleError
+from vamp_sglang.memory.backend import (
+    BackendUnavailableError,
+    HostArena,
+    PageBackend,
+    PageHandle,
+    VmmRuleError,
+)
 
 DEFAULT_GRANULARITY_BYTES = 2 << 20  # the CUDA granularity on current GPUs; 4 KiB pages are 40x slower
 
@@ -125,8 +132,9 @@ class HostPageBackend(PageBackend):
     def synchronize(self) -> None:
         """Host primitives are synchronous; copy threads above this layer must be joined by their owner."""
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def host_arena(self, nbytes: int) -> HostArena:
+        """Plain host memory: nothing to page-lock for CPU copies."""
+        return HostArena(nbytes)
 
     @property
     def committed_bytes(self) -> int:
@@ -152,17 +160,22 @@ class HostPageBackend(PageBackend):
     def _release_raw(self, handle: PageHandle) -> None:
         self._pool.give_back(handle.raw, handle.nbytes)
 
-    def _map_raw(self, addr: int, handle: PageHandle) -> None:
-        got = self._libc.mmap(addr, handle.nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, self._pool.fd, handle.raw)
-        if got == _MAP_FAILED:
-            failure = _os_error("mmap(map)")
-            self._unmap_raw(addr, handle.nbytes)  # a failed MAP_FIXED may already have removed the placeholder
-            raise failure
+    def _map_run_raw(self, addr: int, handles: list[PageHandle]) -> None:
+        """mmap each page, then build the page tables once over the run (as cuMemSetAccess is set once)."""
+        done = 0
         try:
+            for handle in handles:
+                got = self._libc.mmap(addr + done, handle.nbytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED,
+                                      self._pool.fd, handle.raw)
+                if got == _MAP_FAILED:
+                    failure = _os_error("mmap(map)")
+                    self._unmap_raw(addr + done, handle.nbytes)  # the placeholder may already be gone
+                    raise failure
+                done += handle.nbytes
             if self.populate:
-                self._populate(addr, handle.nbytes)
+                self._populate(addr, done)
         except BaseException:
-            self._unmap_raw(addr, handle.nbytes)
+            self._unmap_range_raw(addr, handles, done)
             raise
 
     def _populate(self, addr: int, nbytes: int) -> None:

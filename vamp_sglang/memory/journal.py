@@ -49,8 +49,9 @@ class Journal:
 
 
 @contextmanager
-def atomic(journal: Journal | None) -> Iterator[Journal]:
-    """Record into `journal` (the caller rolls back), or into a fresh one rolled back here on failure."""
+def atomic(journal: Journal | None, on_failure: Callable[[], None] | None = None) -> Iterator[Journal]:
+    """Record into `journal` (the caller rolls back), or into a fresh one rolled back here on failure,
+    after `on_failure()` (a device synchronise: work queued on pages must end before they are unmapped)."""
     if journal is not None:
         yield journal
         return
@@ -58,5 +59,7 @@ def atomic(journal: Journal | None) -> Iterator[Journal]:
     try:
         yield own
     except BaseException:
+        if on_failure is not None:
+            on_failure()
         own.rollback()
         raise

@@ -108,9 +108,9 @@ class GrowableKVBuffers:
             raise VmmRuleError(f"grow: {self.pages_per_buffer} + {per_buffer} pages per buffer exceed the "
                                f"reservation of {self.max_pages_per_buffer} (raise max_tokens)")
         with atomic(journal) as j:
-            for b, region in enumerate(self._regions):
-                for handle in handles[b::self.n_buffers]:
-                    j.run(lambda r=region, h=handle: r.append(h), lambda _, r=region: r.pop_tail())
+            for b, region in enumerate(self._regions):  # one run per buffer: access set once (issue 10)
+                j.run(lambda r=region, hs=handles[b::self.n_buffers]: r.extend(hs),
+                      lambda _, r=region: [r.pop_tail() for _ in range(per_buffer)])
             self._regrow(self.rows_for_pages(self.pages_per_buffer), j)
         return self.token_capacity
 
@@ -123,8 +123,9 @@ class GrowableKVBuffers:
         new_rows = self.rows_for_pages(self.pages_per_buffer - n_pages)
         if not tail_is_free(new_rows, self.token_capacity):
             raise KVShrinkError(f"shrink: rows [{new_rows}, {self.token_capacity}) are not all free")
-        self.backend.synchronize()
-        with atomic(journal) as j:
+        if journal is None:  # inside a transaction its owner synchronises once
+            self.backend.synchronize()
+        with atomic(journal, on_failure=self.backend.synchronize) as j:
             self._regrow(new_rows, j)
             popped = [[j.run(r.pop_tail, r.append) for _ in range(n_pages)] for r in self._regions]
         return [popped[b][p] for p in range(n_pages) for b in range(self.n_buffers)]

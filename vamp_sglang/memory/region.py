@@ -40,34 +40,32 @@ class PagedRegion:
 
     def append(self, handle: PageHandle) -> None:
         """Map `handle` right after the last mapped page."""
-        self._check_open()
-        if self._mapped_bytes + handle.nbytes > self.reserved_bytes:
-            raise VmmRuleError(f"append: {self._mapped_bytes} + {handle.nbytes} bytes exceed the region's "
-                               f"reserved_bytes {self.reserved_bytes}")
-        self.backend.map(self.base + self._mapped_bytes, handle)
-        self._handles.append(handle)
-        self._mapped_bytes += handle.nbytes
+        self.extend([handle])
 
     def append_new_pages(self, count: int) -> None:
-        """Create `count` one-granule pages and map each at the tail; a page that fails to map is released."""
-        for _ in range(count):
-            handle = self.backend.create(self.backend.granularity_bytes)
-            try:
-                self.append(handle)
-            except BaseException:
+        """Create `count` one-granule pages and map them at the tail as one run; on failure they are released."""
+        gran = self.backend.granularity_bytes
+        handles: list[PageHandle] = []
+        try:
+            for _ in range(count):
+                handles.append(self.backend.create(gran))
+            self.extend(handles)
+        except BaseException:
+            for handle in handles:
                 self.backend.release(handle)
-                raise
+            raise
 
     def extend(self, handles: Sequence[PageHandle]) -> None:
-        """Append several pages, all or none: a failure unmaps the ones this call mapped."""
-        start_count = len(self._handles)
-        try:
-            for handle in handles:
-                self.append(handle)
-        except BaseException:
-            while len(self._handles) > start_count:
-                self.pop_tail()
-            raise
+        """Append several pages as one run (access set once, issue 10 item 8), all or none."""
+        handles = list(handles)
+        total = sum(h.nbytes for h in handles)
+        self._check_open()
+        if self._mapped_bytes + total > self.reserved_bytes:
+            raise VmmRuleError(f"extend: {self._mapped_bytes} + {total} bytes exceed the region's "
+                               f"reserved_bytes {self.reserved_bytes}")
+        self.backend.map_run(self.base + self._mapped_bytes, handles)
+        self._handles.extend(handles)
+        self._mapped_bytes += total
 
     def pop_tail(self) -> PageHandle:
         """Unmap the last page and return its handle (still live, for reuse or release).

@@ -14,6 +14,7 @@ offloaded groups alone, which is what lets TP ranks agree on it (`prepare`, pape
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,12 @@ class RepartitionStats:
     spare_bytes: int  # reclaimed but not yet usable by KV (uneven split over buffers)
     pool_tokens: int
     initial_pool_tokens: int
+    remap_s: float  # wall time inside offload/restore transactions, after the quiescing synchronise
+    remapped_bytes: int  # expert bytes those transactions moved
+
+    @property
+    def remap_gib_per_s(self) -> float:
+        return self.remapped_bytes / self.remap_s / 2**30 if self.remap_s else 0.0
 
 
 class Repartitioner:
@@ -67,6 +74,7 @@ class Repartitioner:
         self._on_pool_resize = on_pool_resize
         self._tail_is_free = tail_is_free
         self._spare: list[PageHandle] = []
+        self.remap_s, self.remapped_bytes = 0.0, 0
         self._offloaded = self.stores[0].offloaded_groups if self.stores else 0
         self._base_pages = kv_buffers.pages_per_buffer - self._kv_extra_pages(self._offloaded)
         self.initial_pool_tokens = kv_buffers.rows_for_pages(self._base_pages)
@@ -98,15 +106,16 @@ class Repartitioner:
         added = self._agree(self.prepare(n_groups), expect_tokens)
         if n_groups == 0:
             return 0
-        self._quiesce()
+        start = self._quiesce()
         old_tokens, old = self.kv.token_capacity, self._offloaded
-        with atomic(None) as j:
+        with atomic(None, on_failure=self.kv.backend.synchronize) as j:
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
             take = (self._kv_extra_pages(old + n_groups) - self._kv_extra_pages(old)) * self.kv.n_buffers
             pool = self._spare + freed
             self._set_state(old + n_groups, pool[take:], j)
             new_tokens = self.kv.grow(pool[:take], j)
             self._on_pool_resize(old_tokens, new_tokens)
+        self._count_remap(start, n_groups)
         return added
 
     def restore(self, n_groups: int, expect_tokens: int | None = None) -> int:
@@ -114,16 +123,17 @@ class Repartitioner:
         removed = self._agree(self.prepare_restore(n_groups), expect_tokens)
         if n_groups == 0:
             return 0
-        self._quiesce()
+        start = self._quiesce()
         old_tokens, old = self.kv.token_capacity, self._offloaded
         per_store = n_groups * self.layout.pages_per_group_per_layer
-        with atomic(None) as j:
+        with atomic(None, on_failure=self.kv.backend.synchronize) as j:
             drop = self._kv_extra_pages(old) - self._kv_extra_pages(old - n_groups)
             pool = self._spare + self.kv.shrink(drop, self._tail_is_free, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
             self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j)
             self._on_pool_resize(old_tokens, self.kv.token_capacity)
+        self._count_remap(start, n_groups)
         return removed
 
     def stats(self) -> RepartitionStats:
@@ -134,7 +144,8 @@ class Repartitioner:
             group_experts=lay.group_experts, bound_groups=lay.bound_groups, offloaded_groups=self._offloaded,
             offload_ratio=lay.offload_ratio(self._offloaded),
             reclaimed_bytes=self._offloaded * lay.bytes_freed_per_group, spare_bytes=len(self._spare) * gran,
-            pool_tokens=self.kv.token_capacity, initial_pool_tokens=self.initial_pool_tokens)
+            pool_tokens=self.kv.token_capacity, initial_pool_tokens=self.initial_pool_tokens,
+            remap_s=self.remap_s, remapped_bytes=self.remapped_bytes)
 
     def _kv_extra_pages(self, offloaded_groups: int) -> int:
         return kv_pages_per_buffer(offloaded_groups, self.layout.pages_freed_per_group, self.kv.n_buffers)
@@ -145,11 +156,19 @@ class Repartitioner:
                                     f"{local_tokens}")
         return local_tokens
 
-    def _quiesce(self) -> None:
-        """No copy or kernel may touch pages while they move."""
+    def _quiesce(self) -> float:
+        """No copy or kernel may touch pages while they move: the one synchronise before a transaction
+        (the steps inside do not synchronise again, issue 10 item 8). Returns the start time."""
         if self.staging is not None:
             self.staging.drain()
         self.kv.backend.synchronize()
+        return time.perf_counter()
+
+    def _count_remap(self, start: float, n_groups: int) -> None:
+        """Remap throughput for `/vamp/stats`: bytes unmapped from the experts and mapped into the KV
+        buffers (or back), over the transaction's wall time."""
+        self.remap_s += time.perf_counter() - start
+        self.remapped_bytes += n_groups * self.layout.bytes_freed_per_group
 
     def _set_state(self, offloaded: int, spare: list[PageHandle], journal: Journal) -> None:
         old_offloaded, old_spare = self._offloaded, self._spare
