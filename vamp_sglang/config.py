@@ -18,6 +18,7 @@ from dataclasses import dataclass
 ENV_ENABLE = "VAMP_SGLANG_ENABLE"  # "1" only when our launcher started this process tree
 ENV_CONFIG = "VAMP_SGLANG_CONFIG"  # the VampConfig as JSON
 ENV_CONTROL_DIR = "VAMP_SGLANG_CONTROL_DIR"  # private 0700 directory for the controller's ipc sockets
+ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "port", "key_file"} as JSON
 
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
@@ -45,6 +46,8 @@ class VampConfig:
     initial_offload_ratio: float = 0.0  # offload this fraction at start-up (benchmarks, output checks)
     calibrate: bool = True  # measure t_prefill and staging cost online instead of fixed values
     decision_log: str | None = None  # JSONL file that every decision is appended to
+    controller_port: int = 0  # --nnodes > 1: the rank controller's TCP port; 0 = --dist-init-addr port + 7
+    controller_key_file: str | None = None  # --nnodes > 1: the deployment's CURVE key pair (mode 0600)
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +70,7 @@ class VampConfig:
              "--vamp-initial-offload-ratio must be in [0, --vamp-max-offload-ratio]"),
             (self.page_backend in PAGE_BACKENDS,
              f"--vamp-page-backend must be one of {', '.join(PAGE_BACKENDS)}"),
+            (0 <= self.controller_port <= 65535, "--vamp-controller-port must be in [0, 65535] (0: dist-init + 7)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,6 +104,20 @@ def plugin_enabled() -> bool:
 
 def control_dir() -> str | None:
     return os.environ.get(ENV_CONTROL_DIR)
+
+
+def controller_tcp() -> tuple[str, int, str] | None:
+    """(host, port, key_file) of the rank controller when the launcher chose TCP (--nnodes > 1)."""
+    raw = os.environ.get(ENV_CONTROLLER_TCP)
+    if raw is None:
+        return None
+    link = json.loads(raw)
+    return str(link["host"]), int(link["port"]), str(link["key_file"])
+
+
+def controller_tcp_env(host: str, port: int, key_file: str) -> dict[str, str]:
+    """What the launcher exports so that `controller_tcp()` reads it back in every scheduler."""
+    return {ENV_CONTROLLER_TCP: json.dumps({"host": host, "port": port, "key_file": key_file})}
 
 
 # --- command-line flags --------------------------------------------------------------------------

@@ -51,6 +51,9 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--radix-cache-backend", default=None)
     p.add_argument("--radix-eviction-policy", default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
     for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
         p.add_argument(flag, dest=dest, action="store_true")
     return p.parse_known_args(argv)[0]
@@ -117,7 +120,9 @@ def prepare(argv: list[str]) -> Launch:
         raise ConfigError(f"--tp-size must be >= 1 (got {sg.tp_size})")
     check_combinations(vamp, sg)
     sglang_argv = _with_vamp_tree(vamp, sg, rest)
-    env = vamp.to_env()
+    from vamp_sglang.controller.multinode import controller_env
+
+    env = vamp.to_env() | controller_env(vamp, sg)  # TCP for the rank controller when --nnodes > 1
     device = sg.device or "cuda"
     if device == "cpu":
         from vamp_sglang import cpu
@@ -140,9 +145,10 @@ def _export(launch: Launch) -> None:
     os.environ.update(launch.env)
     from vamp_sglang.controller import make_private_ipc_dir
 
-    control_dir = make_private_ipc_dir()
-    os.environ[config.ENV_CONTROL_DIR] = control_dir
-    atexit.register(shutil.rmtree, control_dir, True)
+    if config.ENV_CONTROLLER_TCP not in launch.env:  # one node: the ranks meet in a private ipc dir
+        control_dir = make_private_ipc_dir()
+        os.environ[config.ENV_CONTROL_DIR] = control_dir
+        atexit.register(shutil.rmtree, control_dir, True)
     for path in reversed(launch.env.get("PYTHONPATH", "").split(os.pathsep)):
         if path and path not in sys.path:
             sys.path.insert(0, path)
