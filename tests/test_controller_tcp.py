@@ -119,9 +119,11 @@ def test_from_env_chooses_tcp_when_the_launcher_exported_an_endpoint(monkeypatch
 
 # --- peers without the key --------------------------------------------------------------------------
 IMPOSTORS = {
-    "wrong-key": ("its CURVE key is not this deployment's", True),  # knows the server's public key
-    "wrong-server-key": ("does not hold this deployment's key", False),
-    "no-key": ("does not speak CURVE (no key)", None),
+    "wrong-key": (("its CURVE key is not this deployment's",), True),  # knows the server's public key
+    "wrong-server-key": (("does not hold this deployment's key",), False),
+    # libzmq sees either the mechanism mismatch or the peer hanging up first, depending on the race
+    "no-key": (("does not speak CURVE (no key)", "the handshake failed without detail"),
+               None),
 }
 
 
@@ -141,7 +143,7 @@ def test_a_peer_without_the_key_is_rejected_logged_and_never_answered(deployment
             assert leader.agree_min(1, 100) == 0  # the impostor's proposal never reached the leader
             assert leader.all_ok(1, True) is False
             assert impostor.poll(NEVER_ANSWERED_WAIT_MS) == 0  # no Decision, no Outcome
-            assert _wait_for(lambda: expected_log in caplog.text), caplog.text
+            assert _wait_for(lambda: any(line in caplog.text for line in expected_log)), caplog.text
             assert "rank 0 rejected" in caplog.text and "never answered" in caplog.text
             assert "rank 1 did not answer round 1 within 0.5 s; no remap on any rank" in caplog.text
             # The same leader admits the holder of the key file.
@@ -226,7 +228,7 @@ def test_a_key_file_others_can_read_is_refused_before_any_socket_opens(tmp_path,
     generate_key_file(path)
     os.chmod(path, mode)
     port = _free_port()
-    with pytest.raises(ControllerError, match=f"has mode {mode:04o}; group and others must have no access"):
+    with pytest.raises(ControllerError, match=f"has mode {mode:04o}; it must be private \\(chmod 600"):
         RankController(0, 2, None, TIMEOUT_S, tcp_endpoint=TcpEndpoint("127.0.0.1", port), key_file=path)
     check_port_free(TcpEndpoint("127.0.0.1", port))  # nothing was bound
 

@@ -119,7 +119,7 @@ def test_a_key_file_with_mode_0644_is_refused_at_start(key_file):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vamp_sglang.launch_server", *_two_nodes(key_file)],
                           check=False, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "has mode 0644; group and others must have no access" in proc.stderr
+    assert proc.returncode == 2 and "has mode 0644; it must be private (chmod 600" in proc.stderr
     assert time.monotonic() - start < 30, "validation must not wait for SGLang to import"
 
 

@@ -25,17 +25,25 @@ def make_private_ipc_dir() -> str:
 
 def check_private_dir(ipc_dir: str) -> None:
     """Refuse a directory that another user could enter or replace."""
+    check_private(ipc_dir, "ipc_dir", is_dir=True, missing_hint="create it with make_private_ipc_dir()",
+                  fix="0700")
+
+
+def check_private(path: str, what: str, is_dir: bool, missing_hint: str, fix: str) -> None:
+    """Refuse a path another user could read, replace or own: it must be ours, not a symlink, mode 0?00."""
     try:
-        info = os.lstat(ipc_dir)
+        info = os.lstat(path)
     except FileNotFoundError:
-        raise ControllerError(f"ipc_dir {ipc_dir!r} does not exist; create it with make_private_ipc_dir()") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise ControllerError(f"ipc_dir {ipc_dir!r} must be a directory, not a symlink or a file")
+        raise ControllerError(f"{what} {path!r} does not exist; {missing_hint}") from None
+    kind, other, is_kind = ("directory", "a file", stat.S_ISDIR) if is_dir else ("regular file", "a directory",
+                                                                                 stat.S_ISREG)
+    if stat.S_ISLNK(info.st_mode) or not is_kind(info.st_mode):
+        raise ControllerError(f"{what} {path!r} must be a {kind}, not a symlink or {other}")
     if info.st_uid != os.getuid():
-        raise ControllerError(f"ipc_dir {ipc_dir!r} is owned by uid {info.st_uid}, not by us (uid {os.getuid()})")
+        raise ControllerError(f"{what} {path!r} is owned by uid {info.st_uid}, not by us (uid {os.getuid()})")
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
-        raise ControllerError(f"ipc_dir {ipc_dir!r} has mode {mode:04o}; it must be private (0700)")
+        raise ControllerError(f"{what} {path!r} has mode {mode:04o}; it must be private ({fix})")
 
 
 def leader_socket_path(ipc_dir: str, group_id: int) -> str:

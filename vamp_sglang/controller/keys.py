@@ -9,13 +9,12 @@ mode 0600.
 """
 
 import os
-import stat
 from dataclasses import dataclass
 
 import zmq
 from zmq.auth import load_certificate
 
-from vamp_sglang.controller.ipc import ControllerError
+from vamp_sglang.controller.ipc import ControllerError, check_private
 
 Z85_KEY_CHARS = 40  # a 32-byte Curve25519 key in Z85
 
@@ -51,19 +50,8 @@ def generate_key_file(path: str) -> DeploymentKey:
 
 def check_key_file(path: str) -> None:
     """Refuse a key file another user could read, replace or own (the error names the fix)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        raise ControllerError(f"key file {path} does not exist; make one with "
-                              f"`python -m vamp_sglang.controller keygen {path}`") from None
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
-        raise ControllerError(f"key file {path} must be a regular file, not a symlink or a directory")
-    if info.st_uid != os.getuid():
-        raise ControllerError(f"key file {path} is owned by uid {info.st_uid}, not by us (uid {os.getuid()})")
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o077:
-        raise ControllerError(f"key file {path} has mode {mode:04o}; group and others must have no access "
-                              f"(chmod 600 {path})")
+    check_private(path, "key file", is_dir=False, fix=f"chmod 600 {path}",
+                  missing_hint=f"make one with `python -m vamp_sglang.controller keygen {path}`")
 
 
 def load_key_file(path: str) -> DeploymentKey:

@@ -20,6 +20,7 @@ CURVE protects only this channel; SGLang's own TCPStore, gloo and broadcast traf
 import hmac
 import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -169,7 +170,8 @@ def _rejection_reason(event: int, value: int) -> str:
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             return "it does not hold this deployment's key (CURVE handshake did not decrypt)"
         return f"protocol error {zmq.Event(value).name}"
-    return f"the handshake failed without detail (errno {value}; no authenticator answered or the peer left)"
+    return (f"the handshake failed without detail ({os.strerror(value)}: no authenticator answered, or the peer "
+            "hung up, as one without CURVE may)")
 
 
 class _RejectionLog(threading.Thread):
