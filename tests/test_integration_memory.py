@@ -226,7 +226,7 @@ def test_moe_outputs_exact_at_every_offload_level(vamp):
     ids_used = torch.unique(torch.cat([t[1].flatten() for t in topk]))
     assert int(ids_used.max()) == E - 1, "the routing must reach the offloaded (high-index) experts"
     reference = moe_outputs(vamp.layers, vamp.experts, x, topk)
-    assert moe_staging.graphs_allowed(vamp.experts)
+    assert moe_staging.staging_breaks(vamp.experts) == LAYERS - 1  # graphs stay on: one break per layer
     for groups in (1, 1, -1, -1):  # 1 group, the bound (2), back to 1, none
         if groups > 0:
             memory.offload(groups, memory.tokens_for(groups))
@@ -237,7 +237,6 @@ def test_moe_outputs_exact_at_every_offload_level(vamp):
                 dst.fill_(float("nan"))
         out = moe_outputs(vamp.layers, vamp.experts, x, topk)
         assert all(torch.equal(a, b) for a, b in zip(out, reference)), f"{memory.offloaded_groups} groups"
-        assert moe_staging.graphs_allowed(vamp.experts) == (memory.offloaded_groups == 0)
     assert vamp.experts.engine.stats().bytes_staged > 0
 
 

@@ -149,3 +149,40 @@ def test_two_nodes_refuse_a_wildcard_host_and_a_taken_port_on_node_0(key_file):
         with pytest.raises(ConfigError, match="node 0 cannot bind the controller port"):
             launch_server.prepare(_two_nodes(key_file, node_rank=0, addr=f"127.0.0.1:{dist_port}"))
         launch_server.prepare(_two_nodes(key_file, node_rank=1, addr=f"127.0.0.1:{dist_port}"))  # node 1 connects
+
+
+GPU_PATH_REFUSED = [  # issue 10: graph choices that would replay stale staged experts, and PD disaggregation
+    (["--cuda-graph-backend-decode", "full"], "--cuda-graph-backend-decode"),
+    (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
+    (["--cuda-graph-config", '{"decode": {"backend": "full", "max_bs": 8}}'], "--cuda-graph-config"),
+    (["--cuda-graph-backend-decode", "breakable", "--cuda-graph-config", '{"decode": {"backend": "full"}}'],
+     "--cuda-graph-config"),
+    (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--enable-torch-compile", "--device", "cpu"], "--enable-torch-compile"),
+    (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+]
+
+
+@pytest.mark.parametrize("flags,named", GPU_PATH_REFUSED, ids=[" ".join(f) for f, _ in GPU_PATH_REFUSED])
+def test_gpu_path_conflicts_are_refused_naming_the_flag(flags, named):
+    with pytest.raises(ConfigError, match=named):
+        launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0.2"] + flags)
+    launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0"] + flags)  # stock SGLang: its own choice
+
+
+@pytest.mark.parametrize("flags,added", [
+    ([], ["--cuda-graph-backend-decode", "breakable"]),  # VAMP on a GPU: breakable decode graphs
+    (["--cuda-graph-backend-decode", "breakable"], []),
+    (["--cuda-graph-backend-decode", "disabled"], []),
+    (["--disable-cuda-graph"], []),  # the per-phase flag would win over it and turn graphs back on
+    (["--disable-decode-cuda-graph"], []),
+    (["--cuda-graph-config", '{"decode": {"backend": "breakable"}}'], []),
+    (["--cuda-graph-config", '{"decode": {"max_bs": 8}}'], ["--cuda-graph-backend-decode", "breakable"]),
+    (["--device", "cpu"], []),
+])
+def test_decode_graphs_default_to_breakable_with_vamp_on_a_gpu(flags, added):
+    launch = launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"])
+    assert launch.sglang_argv[:len(MODEL) + len(flags) + len(added)] == MODEL + flags + added
+    assert launch.sglang_argv.count("--cuda-graph-backend-decode") <= 1
+    off = launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0"])
+    assert "breakable" not in off.sglang_argv[len(MODEL) + len(flags):]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vamp_sglang.memory import BackendUnavailableError, PageHandle, VmmRuleError, select_backend
+from vamp_sglang.memory.backend import HostArena, LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
 
 GRAN = 64 << 10  # small pages keep the tests small; a multiple of the 4 KiB OS page
@@ -286,3 +287,48 @@ def test_close_leaves_no_fd_or_vma_behind():
     for _ in range(3):
         cycle_backend()
     assert fds_and_vmas() == before
+
+
+# ---- runs of pages and the host arena (issue 10 items 3 and 8) ------------------------------------------
+
+def test_map_run_maps_pages_as_separate_mappings_with_one_access_call(backend):
+    g = gran(backend)
+    base = backend.reserve(4 * g)
+    handles = [backend.create(g) for _ in range(3)]
+    backend.map_run(base, handles)
+    assert backend.is_mapped(base, 3 * g) and not backend.is_mapped(base + 3 * g, g)
+    for k in range(3):
+        fill(backend, base + k * g, g, k + 1)
+    backend.unmap(base + g, g)  # each page is still its own mapping
+    assert all_equal(backend, base, g, 1) and all_equal(backend, base + 2 * g, g, 3)
+    with pytest.raises(VmmRuleError, match="overlaps"):
+        backend.map_run(base + 2 * g, [handles[1]])
+    with pytest.raises(VmmRuleError, match="twice"):
+        backend.map_run(base + 3 * g, [handles[1], handles[1]])
+    backend.map_run(base + g, [handles[1]])
+    assert all_equal(backend, base + g, g, 2)  # the page kept its bytes
+    for k in range(3):
+        backend.unmap(base + k * g, g)
+    backend.free_reservation(base, 4 * g)
+    for h in handles:
+        backend.release(h)
+    assert backend.live_counts() == LiveCounts(0, 0, 0)
+
+
+def test_host_arena_holds_exactly_what_is_asked_in_aligned_slices(backend):
+    sizes = [1000, 3 * 4096 + 1, 256]
+    arena = backend.host_arena(HostArena.bytes_for(sizes))
+    assert arena.nbytes == 1024 + 12544 + 256  # aligned to 256 bytes, no power-of-two rounding
+    slices = [arena.take(n) for n in sizes]
+    assert [s.numel() for s in slices] == sizes
+    assert all(s.data_ptr() % HostArena.ALIGN_BYTES == 0 for s in slices)
+    assert len({s.untyped_storage().data_ptr() for s in slices}) == 1  # one allocation
+    with pytest.raises(VmmRuleError, match="do not fit"):
+        arena.take(1)
+    if backend.name == "cuda":  # page-locked: the copy engine reads it directly
+        assert arena.pinned_bytes == 4 * 4096 and all(s.is_pinned() for s in slices)
+    else:
+        assert arena.pinned_bytes == 0
+    arena.close()
+    with pytest.raises(VmmRuleError, match="closed"):
+        arena.take(1)

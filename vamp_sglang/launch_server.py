@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from vamp_sglang import config
 from vamp_sglang.config import ConfigError, VampConfig
+from vamp_sglang.integration import gpu_flags
 
 PROG = "python -m vamp_sglang.launch_server"
 
@@ -119,7 +120,8 @@ def prepare(argv: list[str]) -> Launch:
     if sg.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1 (got {sg.tp_size})")
     check_combinations(vamp, sg)
-    sglang_argv = _with_vamp_tree(vamp, sg, rest)
+    sglang_argv = _with_vamp_tree(vamp, sg, gpu_flags.with_staging_graphs(rest, sg.device or "cuda")
+                                  if vamp.enabled else rest)
     from vamp_sglang.controller.multinode import controller_env
 
     env = vamp.to_env() | controller_env(vamp, sg)  # TCP for the rank controller when --nnodes > 1

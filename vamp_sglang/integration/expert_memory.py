@@ -108,11 +108,14 @@ class ExpertMemory:
                         "max_groups": rep.bound_groups, "offload_ratio": rep.offload_ratio,
                         "reclaimed_bytes": rep.reclaimed_bytes, "spare_bytes": rep.spare_bytes,
                         "remap_s": round(self.remap_s, 6), "page_backend": self.experts.backend.name,
-                        "graphs_allowed": moe_staging.graphs_allowed(self.experts)},
+                        "remap_gib_per_s": round(rep.remap_gib_per_s, 3),
+                        "graph_breaks": moe_staging.staging_breaks(self.experts)},
             "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups),
                         "buffer_rows": self.pool.kv.token_capacity, "size_snapshots": dict(self.size_snapshots)},
-            "staging": {"wait_s": round(staging.wait_s, 6), "bytes": staging.bytes_staged,
-                        "copies": staging.copies, "stalls": staging.stalls},
+            "staging": {"wait_s": round(staging.wait_s, 6), "copy_s": round(staging.copy_s, 6),
+                        "step_wait_s": round(staging.step_wait_s, 6), "step_copy_s": round(staging.step_copy_s, 6),
+                        "bytes": staging.bytes_staged, "copies": staging.copies, "stalls": staging.stalls,
+                        "steps": staging.steps, "pinned_bytes": self.experts.staging_buffers.pinned_bytes},
         }
 
     # ---- inside a transaction --------------------------------------------------------------------
@@ -218,12 +221,6 @@ def _around_run_moe_core(original: Callable, layer: Any, *args: Any, **kwargs: A
     return moe_staging.run_moe_core_staged(_process.experts, original, layer, *args, **kwargs)
 
 
-def _around_can_run_graph(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    if _process is not None and not moe_staging.graphs_allowed(_process.experts):
-        return False
-    return original(runner, *args, **kwargs)
-
-
 def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     """Create this scheduler's ExpertMemory, hand it to the runtime, apply the initial offload."""
     if _process is None:
@@ -259,10 +256,6 @@ HOOKS = [
     Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,
          "start staging the first eligible layer's offloaded experts at forward start"),
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "around", _around_run_moe_core,
-         "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel"),
-    *[Hook(target, "around", _around_can_run_graph,
-           "no graph replay while experts are offloaded: captured graphs skip the staging copies")
-      for target in ("sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
-                     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph",
-                     "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph")],
+         "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel, "
+         "as an eager break of breakable CUDA graphs"),
 ]

@@ -10,13 +10,25 @@ memory grows by one layer, not by the model.
 Paper V-B: offloaded experts are read from a staging slot aliased into the tensor's offloaded range.
 `run_moe_core_staged` brackets the layer's MoE kernel with the staging engine's `before_moe` (wait for
 this layer's copy, start the next eligible layer's copy into the other slot) and `after_moe` (the slot
-may be refilled once the kernel is done); `begin_forward` starts the first copy at forward start. CUDA
-graphs replay without these hooks, so graph replay is refused while any expert is offloaded
-(`graphs_allowed`); the model then runs eager.
+may be refilled once the kernel is done); `begin_forward` starts the first copy at forward start.
+
+CUDA graphs stay on while experts are offloaded (issue 10). `before_moe` runs as SGLang's
+`eager_on_graph` break, so under the breakable graph backend (decode: set by our launcher; prefill:
+SGLang's CUDA default) each eligible MoE layer's kernels are captured in a segment while the break
+between segments runs eagerly at every replay: it reads the live boundary, waits on this layer's copy
+and issues the next one. The MoE kernel reads fixed addresses (the slot aliases), so a remap needs no
+re-capture. `after_moe` is not replayed (it did nothing while capturing); the next break then orders the
+slot's reuse after everything enqueued so far (staging.py). Outside a breakable capture the break is a
+plain call. We chose this over SGLang's device-side `paged_experts_gather` in a full graph: the gather
+is an SM kernel (a fixed 256x256 grid sized for a few experts) that would compete with the MoE GEMMs
+for SMs, while our copies run on the copy engines from pinned memory, the path the paper measures; the
+gather also needs a JIT-built kernel and a fork/join of streams inside the capture. The cost of ours is
+one graph segment boundary and one Python call per eligible layer and step.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,13 +121,13 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
     for layer in layers:
         _check_layer(layer, layers[0], backend.device)
     layout = compute_layout(layers, backend.granularity_bytes, max_offload_ratio)
-    staging = StagingBuffers(backend, layout)
+    staging = StagingBuffers(backend, layout)  # also the one host arena for every layer's host copy
     stores: list[ExpertStore] = []
     eligible = [m for m in layers if layout.eligible_index(m.layer_id) is not None]
     for layer in eligible:
         alias_w13, alias_w2 = staging.alias_pages(layer.layer_id)
         store = ExpertStore(backend, layout, layer.layer_id, layer.w13_weight.data, layer.w2_weight.data,
-                            alias_w13, alias_w2)
+                            alias_w13, alias_w2, host_arena=staging.host_arena)
         stores.append(store)
         layer.replace_expert_tensor("w13_weight", store.w13)  # the original storage is freed here
         layer.replace_expert_tensor("w2_weight", store.w2)
@@ -128,15 +140,32 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
 # ---- the forward path ------------------------------------------------------------------------------
 
 def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:
-    """`FusedMoE.run_moe_core` between the staging engine's `before_moe` and `after_moe`."""
-    if experts.layers.get(layer.layer_id) is not layer:  # resident first layer, or another model's layer
-        return original(layer, *args, **kwargs)
-    experts.engine.before_moe(layer.layer_id)
+    """`FusedMoE.run_moe_core` after the staging break (`before_moe`) and before `after_moe`."""
+    if experts.layers.get(layer.layer_id) is not layer or not staging_breaks(experts):
+        return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
+    staging_break()(experts.engine, layer.layer_id)
     out = original(layer, *args, **kwargs)
     experts.engine.after_moe(layer.layer_id)
     return out
 
 
-def graphs_allowed(experts: ModelExperts | None) -> bool:
-    """A captured graph would read stale staging slots: replay only while nothing is offloaded."""
-    return experts is None or experts.offloaded_groups == 0
+@functools.cache
+def staging_break() -> Callable[[StagingEngine, int], None]:
+    """`engine.before_moe(layer_id)` as an `eager_on_graph` break: eager between the segments of a
+    breakable CUDA graph (capture and every replay), a plain call everywhere else. Its arguments are an
+    object and an int, so a replay passes the same engine and reads its live state."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+
+    @eager_on_graph
+    def vamp_stage_experts(engine: StagingEngine, layer_id: int) -> None:
+        engine.before_moe(layer_id)
+
+    return vamp_stage_experts
+
+
+def staging_breaks(experts: ModelExperts | None) -> int:
+    """Eager breaks one forward adds to a breakable CUDA graph: one per eligible layer that can offload.
+    Graphs are never refused because of offloading."""
+    if experts is None or not experts.layout.bound_groups:
+        return 0
+    return len(experts.layers)

@@ -67,7 +67,11 @@ class HostArena:
                  buffer: torch.Tensor | None = None) -> None:
         self.nbytes = nbytes
         self.pinned_bytes = pinned_bytes
-        self._buffer = torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer
+        if buffer is None:
+            raw = torch.empty(nbytes + self.ALIGN_BYTES, dtype=torch.uint8)
+            skip = -raw.data_ptr() % self.ALIGN_BYTES
+            buffer = raw[skip:skip + nbytes]
+        self._buffer = buffer
         self._release = release
         self._used = 0
 

@@ -330,7 +330,7 @@ class StagingEngine:
             start = time.perf_counter()
             done.result()
             if timed:
-                copy.wait_s, copy.stalled = time.perf_counter() - start, stalled
+                copy.wait_s, copy.stalled = (time.perf_counter() - start) * stalled, stalled
                 self._timing.append(copy)
             return
         compute = torch.cuda.current_stream(self._stream.device)
