@@ -10,11 +10,13 @@ from vamp_sglang.policy.calibration import MIN_PREFILL_TOKENS, SMOOTHING, Calibr
 from vamp_sglang.policy.decision_log import DecisionLog
 
 SNAPSHOT = {
-    "site": "decode", "gap_tokens": 300,
-    "evictable": [{"tokens": 200, "hits": 0, "age_steps": 10}, {"tokens": 400, "hits": 5, "age_steps": 1}],
-    "offload": {"headroom_groups": 8, "tokens_per_group": 100, "shards_per_group": 2, "local_experts": 128,
-                "top_k": 2, "decode_budget_min": 16},
-    "preempt": [{"partial_tokens": 20, "tokens": 500}],
+    "site": "decode", "gap_tokens": 300, "free_tokens": 0,
+    "evictable": [{"tokens": 200, "hits": 0, "age_steps": 10, "prior_hit_rate": 0.5},
+                  {"tokens": 400, "hits": 5, "age_steps": 1, "prior_hit_rate": 0.5}],
+    "offload": {"headroom_groups": 8, "tokens_by_groups": [100 * n for n in range(1, 9)], "shards_per_group": 2,
+                "local_experts": 128, "top_k": 2, "decode_budget_min": 16},
+    "preempt": [{"partial_tokens": 20, "tokens": 500, "decode_tokens": 1}],
+    "retract_buffer_tokens": 20,
     "observed_hit_rate": 0.5,
 }
 
@@ -44,8 +46,8 @@ def test_staging_measurement_sets_c_reload_through_c_eff():
 def test_calibrated_t_prefill_changes_the_decision():
     """With the paper's 15 us eviction looks cheap; with a CPU's 160 us the same gap offloads."""
     # C_e = 16 shards * c_eff (0.63 ms * 8 / 64 = 78.75 us) * w 64 = 80.6 ms at either t_prefill.
-    offload = {"headroom_groups": 8, "tokens_per_group": 100, "shards_per_group": 4, "local_experts": 64,
-               "top_k": 8, "decode_budget_min": 64}
+    offload = {"headroom_groups": 8, "tokens_by_groups": [100 * n for n in range(1, 9)], "shards_per_group": 4,
+               "local_experts": 64, "top_k": 8, "decode_budget_min": 64}
     snap = Snapshot.from_json({**SNAPSHOT, "site": "prefill", "preempt": [], "offload": offload})
     paper = plan(snap, Coefficients())
     cal = Calibrator()

@@ -11,16 +11,19 @@ REPO = Path(__file__).resolve().parents[1]
 US = 1e-6
 
 SNAPSHOT = {  # the worked example of test_policy_planner.py (costs computed there by hand)
-    "site": "decode", "gap_tokens": 300, "observed_hit_rate": 0.3,
-    "evictable": [{"tokens": 150, "hits": 0, "age_steps": 4000}, {"tokens": 64, "hits": 1, "age_steps": 100},
-                  {"tokens": 200, "hits": 5, "age_steps": 10}],
-    "offload": {"headroom_groups": 10, "tokens_per_group": 64, "shards_per_group": 3, "local_experts": 512,
-                "top_k": 10, "decode_budget_min": 100},
-    "preempt": [{"partial_tokens": 100, "tokens": 180}, {"partial_tokens": 40, "tokens": 200}],
+    "site": "decode", "gap_tokens": 300, "free_tokens": 0, "observed_hit_rate": 0.3,
+    "evictable": [{"tokens": 150, "hits": 0, "age_steps": 4000, "prior_hit_rate": 0.3},
+                  {"tokens": 64, "hits": 1, "age_steps": 100, "prior_hit_rate": 0.3},
+                  {"tokens": 200, "hits": 5, "age_steps": 10, "prior_hit_rate": 0.3}],
+    "offload": {"headroom_groups": 10, "tokens_by_groups": [64 * n for n in range(1, 11)], "shards_per_group": 3,
+                "local_experts": 512, "top_k": 10, "decode_budget_min": 100},
+    "preempt": [{"partial_tokens": 100, "tokens": 180, "decode_tokens": 1},
+                {"partial_tokens": 40, "tokens": 200, "decode_tokens": 1}],
+    "retract_buffer_tokens": 0,
 }
 # Hot 4,000-token session prefixes: offloading 4 groups (9.45 ms) beats evicting one (~30 ms).
 HOT = {**SNAPSHOT, "gap_tokens": 256, "observed_hit_rate": 0.9,
-       "evictable": [{"tokens": 4000, "hits": 50, "age_steps": 0}] * 4, "preempt": []}
+       "evictable": [{"tokens": 4000, "hits": 50, "age_steps": 0, "prior_hit_rate": 0.9}] * 4, "preempt": []}
 
 
 def explain(*args):
@@ -38,7 +41,7 @@ def test_json_output_on_a_snapshot_file(tmp_path):
     assert (out["action"], out["groups"], out["evict_tokens"]) == ("evict", 0, 300)
     assert list(out["costs"]) == ["evict", "offload", "preempt", "combined"]
     assert out["costs"]["offload"] == pytest.approx(18900 * US)  # 24 shards * 12.3046875 us * 64
-    assert out["costs"]["preempt"] == pytest.approx(5100 * US)
+    assert out["costs"]["preempt"] == pytest.approx(3137.5 * US)  # one victim + the tree's cheapest node
     assert out["costs"]["combined"] == pytest.approx(9587.5 * US)
 
 

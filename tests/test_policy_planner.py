@@ -28,13 +28,17 @@ C = Coefficients()
 US = 1e-6
 
 
-def snap(gap, evictable=(), headroom=10, site="decode", preempt=(), hit_rate=0.3, budget=100, **extra):
+def snap(gap, evictable=(), headroom=10, site="decode", preempt=(), hit_rate=0.3, budget=100, free=0,
+         buffer=0, per_group=64, **extra):
+    """Every node priced with the tree-wide rate as its prior; victims need one row each."""
     return Snapshot.from_json({
-        "site": site, "gap_tokens": gap, "observed_hit_rate": hit_rate,
-        "evictable": [{"tokens": t, "hits": h, "age_steps": a} for t, h, a in evictable],
-        "offload": {"headroom_groups": headroom, "tokens_per_group": 64, "shards_per_group": 3,
-                    "local_experts": 512, "top_k": 10, "decode_budget_min": budget},
-        "preempt": [{"partial_tokens": p, "tokens": t} for p, t in preempt], **extra})
+        "site": site, "gap_tokens": gap, "free_tokens": free, "observed_hit_rate": hit_rate,
+        "evictable": [{"tokens": t, "hits": h, "age_steps": a, "prior_hit_rate": hit_rate}
+                      for t, h, a in evictable],
+        "offload": {"headroom_groups": headroom, "tokens_by_groups": [per_group * n for n in range(1, headroom + 1)],
+                    "shards_per_group": 3, "local_experts": 512, "top_k": 10, "decode_budget_min": budget},
+        "preempt": [{"partial_tokens": p, "tokens": t, "decode_tokens": 1} for p, t in preempt],
+        "retract_buffer_tokens": buffer, **extra})
 
 
 EVICTABLE = [(150, 0, 4000), (64, 1, 100), (200, 5, 10)]  # in the tree's eviction order
@@ -45,8 +49,10 @@ def test_worked_example_all_four_costs():
     p = plan(snap(300, EVICTABLE, preempt=PREEMPT), C)
     # offload: ceil(300/64) = 5 groups -> 8 (expand step 4) -> 24 shards * 12.3046875 us * 64 = 18,900 us.
     assert p.costs["offload"] == pytest.approx(18900 * US)
-    # preempt: 180 < 300, so both victims: 3,000 + 2,100 = 5,100 us.
-    assert p.costs["preempt"] == pytest.approx(5100 * US)
+    # preempt as retract_decode runs it: the first victim frees 180 rows (C_p^(1) = 500 + 1000 +
+    # 100 * 15 = 3,000 us), then the step's re-check evicts the 119 rows still short from the tree,
+    # in its order: the first node (150 tokens, 137.5 us below). 3,137.5 us.
+    assert p.costs["preempt"] == pytest.approx(3137.5 * US)
     # C_c per node: (150, 0, 4000): 0.5 * 0.3 / 3 * (2250 + 500) = 137.5 us;
     # (64, 1, 100): 0.5 * 0.65 / 1.05 * (960 + 500) = 451.905 us;
     # (200, 5, 10): 0.5 * (5.3 / 6) / 1.005 * (3000 + 500) = 1538.14 us.
@@ -104,21 +110,76 @@ def test_no_gap_means_no_action_and_coefficient_overrides_apply():
     assert p.costs["preempt"] == pytest.approx(1800 * US)
 
 
+def test_retraction_is_priced_with_the_eviction_sglang_runs_after_it():
+    """Issue 9.3: after retracting a victim SGLang evicts until 20 rows per remaining request are
+    free (release_req), then the step re-checks. Both evictions are part of C_p."""
+    # 4 running (3 victims), 2 rows free, the step needs 4: gap 2. Victim 1 frees 3 rows at once,
+    # but SGLang then wants 3 * 20 = 60 free: 55 more from the tree (the 150-token node, 137.5 us).
+    p = plan(snap(2, EVICTABLE, headroom=0, preempt=[(10, 3), (10, 3), (10, 3)], free=2, buffer=20), C)
+    assert p.costs["preempt"] == pytest.approx((1650 + 137.5) * US)
+    # Without that buffer only the victim's own rows count and nothing is evicted.
+    p = plan(snap(2, EVICTABLE, headroom=0, preempt=[(10, 3), (10, 3), (10, 3)], free=2, buffer=0), C)
+    assert p.costs["preempt"] == pytest.approx(1650 * US)
+
+
+def test_retraction_that_cannot_cover_even_with_the_tree_is_infeasible():
+    # The one kept request's step still needs 500 rows: no victims and tree cover it.
+    p = plan(snap(600, [(10, 0, 0)], headroom=0, preempt=[(0, 50)], free=0, buffer=20), C)
+    assert p.costs["preempt"] is None and p.action == "partial"
+
+
+def test_exact_group_gains_where_the_first_groups_add_nothing():
+    """Issue 9.2: pages per buffer round down, so one group may add 0 tokens while headroom > 0.
+    Such a snapshot is valid, and offload takes as many groups as really cover the gap."""
+    s = Snapshot.from_json({**snap(100, headroom=8).to_json(),
+                            "offload": {**snap(100, headroom=8).to_json()["offload"],
+                                        "tokens_by_groups": [0, 0, 0, 0, 0, 0, 128, 128]}})
+    p = plan(s, C)
+    assert (p.action, p.groups) == ("offload", 8)  # 4 groups add nothing; the step of 8 adds 128
+    assert p.costs["combined"] is None  # the floor below the gap (4 groups) adds nothing
+
+
+def test_each_node_is_priced_with_its_own_prior():
+    """Issue 9.6: the tree prices a never-hit node with its writer's hit rate, so must the planner."""
+    base = snap(100, [(100, 0, 0)], headroom=0).to_json()
+    costs = []
+    for prior in (0.0, 0.9):
+        base["evictable"][0]["prior_hit_rate"] = prior
+        costs.append(plan(Snapshot.from_json(base), C).costs["evict"])
+    assert costs[0] == 0.0 and costs[1] == pytest.approx(0.5 * 0.9 * (100 * 15 + 500) * US)
+
+
 # --- properties ----------------------------------------------------------------------------------
-blocks = st.lists(st.builds(EvictableBlock, st.integers(1, 5000), st.integers(0, 100), st.integers(0, 10**6)),
-                  max_size=12)
-victims = st.lists(st.builds(PreemptCandidate, st.integers(0, 5000), st.integers(0, 5000)), max_size=6)
+blocks = st.lists(st.builds(EvictableBlock, st.integers(1, 5000), st.integers(0, 100), st.integers(0, 10**6),
+                            st.floats(0.0, 1.0)), max_size=12)
+victims = st.lists(st.builds(PreemptCandidate, st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 16)),
+                   max_size=6)
+
+
+@st.composite
+def gains(draw, headroom):
+    """Exact tokens per number of groups: non-decreasing, the first groups may add nothing."""
+    steps = draw(st.lists(st.integers(0, 512), min_size=headroom, max_size=headroom))
+    return tuple(sum(steps[:n]) for n in range(1, headroom + 1))
 
 
 @st.composite
 def snapshots(draw):
     headroom = draw(st.integers(0, 40))
-    offload = OffloadState(headroom, draw(st.integers(1 if headroom else 0, 512)), draw(st.integers(1, 8)),
+    offload = OffloadState(headroom, draw(gains(headroom)), draw(st.integers(1, 8)),
                            draw(st.integers(1, 512)), draw(st.integers(1, 16)), draw(st.integers(0, 500)))
     coefficients = draw(st.fixed_dictionaries({}, optional={"expand_groups": st.integers(1, 8),
                                                             "alpha": st.floats(0.01, 1.0)}))
     return Snapshot(draw(st.sampled_from(["prefill", "decode"])), draw(st.integers(-10, 20_000)),
-                    tuple(draw(blocks)), offload, tuple(draw(victims)), draw(st.floats(0.0, 1.0)), coefficients)
+                    draw(st.integers(0, 2000)), tuple(draw(blocks)), offload, tuple(draw(victims)),
+                    draw(st.integers(0, 64)), draw(st.floats(0.0, 1.0)), coefficients)
+
+
+def retraction_covers(s):
+    """Whether retracting every candidate, with SGLang's evictions in between, frees the step's need."""
+    need = s.gap_tokens + s.free_tokens - sum(v.decode_tokens for v in s.preempt)
+    return s.site == "decode" and bool(s.preempt) and (
+        s.free_tokens + sum(v.tokens for v in s.preempt) + sum(e.tokens for e in s.evictable) >= need)
 
 
 def covers(s, p):
@@ -127,15 +188,14 @@ def covers(s, p):
     if p.action == "none":
         return s.gap_tokens <= 0
     if p.action == "preempt":
-        return s.site == "decode" and sum(v.tokens for v in s.preempt) >= s.gap_tokens
+        return retraction_covers(s)
     return (p.groups <= o.headroom_groups and p.evict_tokens <= evictable
-            and p.groups * o.tokens_per_group + p.evict_tokens >= s.gap_tokens)
+            and s.offload_tokens(p.groups) + p.evict_tokens >= s.gap_tokens)
 
 
 def coverable(s):
-    o = s.offload
-    return (s.gap_tokens <= o.headroom_groups * o.tokens_per_group + sum(e.tokens for e in s.evictable)
-            or (s.site == "decode" and s.gap_tokens <= sum(v.tokens for v in s.preempt)))
+    return (s.gap_tokens <= s.offload_tokens(s.offload.headroom_groups) + sum(e.tokens for e in s.evictable)
+            or retraction_covers(s))
 
 
 @settings(max_examples=300)
@@ -182,7 +242,7 @@ def test_eviction_cost_follows_the_trees_order(s):
         if freed >= s.gap_tokens:
             break
         freed += e.tokens
-        expected += cached_block_cost_s(e.tokens, e.hits, e.age_steps, s.observed_hit_rate, c)
+        expected += cached_block_cost_s(e.tokens, e.hits, e.age_steps, e.prior_hit_rate, c)
     got = plan(s, C).costs["evict"]
     if freed < s.gap_tokens:
         assert got is None
@@ -204,7 +264,11 @@ BAD = [  # (path in the JSON, bad value, words the error must contain)
     (("evictable", 0, "hits"), -1, "snapshot.evictable[0].hits must be a non-negative integer"),
     (("evictable", 2, "age_steps"), "old", "snapshot.evictable[2].age_steps must be a non-negative integer"),
     (("offload", "top_k"), 0, "snapshot.offload.top_k must be a positive integer"),
-    (("offload", "tokens_per_group"), 0, "snapshot.offload.tokens_per_group must be a positive integer"),
+    (("offload", "tokens_by_groups"), [64] * 3, "tokens_by_groups must list one count per headroom group"),
+    (("offload", "tokens_by_groups"), [64 * (10 - n) for n in range(10)], "tokens_by_groups must not decrease"),
+    (("evictable", 0, "prior_hit_rate"), 2.0, "snapshot.evictable[0].prior_hit_rate must be a number in [0, 1]"),
+    (("free_tokens",), -1, "snapshot.free_tokens must be a non-negative integer"),
+    (("preempt", 0, "decode_tokens"), None, "snapshot.preempt[0].decode_tokens must be a non-negative integer"),
     (("offload", "headroom_groups"), True, "snapshot.offload.headroom_groups must be a non-negative integer"),
     (("preempt", 1, "tokens"), -3, "snapshot.preempt[1].tokens must be a non-negative integer"),
     (("observed_hit_rate",), 1.5, "snapshot.observed_hit_rate must be a number in [0, 1]"),
@@ -235,7 +299,8 @@ def test_missing_and_unknown_fields_are_named():
     with pytest.raises(SnapshotError, match=r"snapshot\.offload\.decode_budget_min is missing"):
         Snapshot.from_json(d)
     with pytest.raises(SnapshotError, match=r"snapshot\.preempt\[0\] has unknown field 'priority'"):
-        Snapshot.from_json({**VALID, "preempt": [{"partial_tokens": 1, "tokens": 2, "priority": 0}]})
+        Snapshot.from_json({**VALID, "preempt": [{"partial_tokens": 1, "tokens": 2, "decode_tokens": 1,
+                                                  "priority": 0}]})
     with pytest.raises(SnapshotError, match="snapshot must be a JSON object"):
         Snapshot.from_json([VALID])
     with pytest.raises(ValueError, match="policy must be one of"):

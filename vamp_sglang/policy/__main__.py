@@ -47,13 +47,13 @@ def _load_record(path: str, line: int | None) -> dict[str, Any]:
 
 
 def _describe(p: Plan, s: Snapshot, policy: str) -> str:
-    tpg = s.offload.tokens_per_group
+    added = s.offload_tokens(p.groups)
     what = {
         "none": "nothing to do: no gap",
-        "offload": f"offload {p.groups} expert groups (+{p.groups * tpg} KV tokens)",
+        "offload": f"offload {p.groups} expert groups (+{added} KV tokens)",
         "evict": f"evict {p.evict_tokens} cached tokens, cheapest C_c first",
         "preempt": "leave the gap; SGLang retracts running requests",
-        "combined": f"offload {p.groups} expert groups (+{p.groups * tpg} KV tokens) "
+        "combined": f"offload {p.groups} expert groups (+{added} KV tokens) "
                     f"and evict {p.evict_tokens} cached tokens",
         "partial": f"NO feasible plan: offload all {p.groups} groups, evict all {p.evict_tokens} "
                    f"evictable tokens, and the rest stays short",

@@ -1,4 +1,4 @@
-"""Online calibration of the device-dependent coefficients (t_prefill, c_reload).
+"""Online calibration of the device- and load-dependent coefficients (t_prefill, c_reload, t_queue).
 
 The paper set t_prefill = 15 us once for an H100. On another device that number misleads the
 planner: on a 2-core CPU a prefill token costs ~160 us, so eviction would look ten times cheaper
@@ -8,6 +8,8 @@ server's own work, smoothed, and fall back to the configured values until a meas
 - t_prefill (Eqs. 2, 4): seconds per token of the scheduler's prefill batches.
 - c_reload (Eq. 3, via c_eff = c_reload * k / E): what one offloaded shard costs a model step,
   measured as staging wait per step per offloaded shard, turned back into c_reload = c_eff * E / k.
+- t_queue (Eq. 4): the delay from a retraction to the request's re-admission, as section V says
+  ("updated when a preemption-to-rescheduling delay is observed"), starting at the configured value.
 
 No per-workload tuning: the same smoothing for every workload.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from vamp_sglang.policy.costs import Coefficients
+from vamp_sglang.policy.costs import Coefficients, QueueDelayEstimator
 
 SMOOTHING = 0.2  # weight of each new sample in the moving averages
 MIN_PREFILL_TOKENS = 32  # smaller batches are dominated by fixed overhead, not per-token cost
@@ -31,6 +33,15 @@ class Calibrator:
     c_eff_s: float | None = None
     prefill_samples: int = 0
     staging_samples: int = 0
+    queue: QueueDelayEstimator | None = None  # None: t_queue stays as configured
+
+    @classmethod
+    def starting_from(cls, base: Coefficients) -> Calibrator:
+        return cls(queue=QueueDelayEstimator(base.t_queue_s))
+
+    def observe_queue_delay(self, delay_s: float) -> None:
+        if self.queue is not None and delay_s >= 0:
+            self.queue.observe(delay_s)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
@@ -52,6 +63,8 @@ class Calibrator:
             changes["t_prefill_s"] = self.t_prefill_s
         if self.c_eff_s is not None and top_k > 0:
             changes["c_reload_s"] = self.c_eff_s * local_experts / top_k
+        if self.queue is not None and self.queue.observations:
+            changes["t_queue_s"] = self.queue.value_s
         return dataclasses.replace(base, **changes)
 
     def stats(self) -> dict[str, float | int | None]:
@@ -60,6 +73,8 @@ class Calibrator:
             "c_eff_us": None if self.c_eff_s is None else self.c_eff_s * 1e6,
             "prefill_samples": self.prefill_samples,
             "staging_samples": self.staging_samples,
+            "t_queue_us": None if self.queue is None else self.queue.value_s * 1e6,
+            "queue_samples": 0 if self.queue is None else self.queue.observations,
         }
 
 

@@ -11,6 +11,7 @@ from collections import deque
 from typing import Any
 
 from vamp_sglang.policy.planner import Plan
+from vamp_sglang.policy.restore import RestorePlan, RestoreState
 from vamp_sglang.policy.snapshot import Snapshot
 
 
@@ -37,13 +38,24 @@ class DecisionLog:
             self._file.write(json.dumps(entry, sort_keys=True) + "\n")
         return entry
 
+    def record_restore(self, *, step: int, state: RestoreState, plan: RestorePlan, restored_groups: int,
+                       pool_tokens: int) -> dict[str, Any]:
+        """A restore attempt, with the state `explain` replays it from (`plan_restore`)."""
+        entry = {"step": step, "site": "restore", "restore_state": state.to_json(), "plan": plan.to_json(),
+                 "outcome": {"restored_groups": restored_groups, "pool_tokens": pool_tokens}}
+        self._recent.append(entry)
+        if self._file is not None:
+            self._file.write(json.dumps(entry, sort_keys=True) + "\n")
+        return entry
+
     def recent(self, limit: int = 16) -> list[dict[str, Any]]:
         """The newest decisions, without the bulky candidate lists of their snapshots."""
         out = []
         for entry in list(self._recent)[-limit:]:
             slim = {k: v for k, v in entry.items() if k != "snapshot"}
-            snap = entry["snapshot"]
-            slim["candidates"] = {"evictable": len(snap["evictable"]), "preempt": len(snap["preempt"])}
+            snap = entry.get("snapshot")
+            if snap is not None:
+                slim["candidates"] = {"evictable": len(snap["evictable"]), "preempt": len(snap["preempt"])}
             out.append(slim)
         return out
 

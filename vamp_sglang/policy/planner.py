@@ -2,16 +2,21 @@
 
 Four candidate plans are priced for every gap, whichever is chosen, so the decision log can show
 why: offload (Eq. 3), evict (Eq. 2), preempt (Eqs. 4/5) and combined (Eq. 6). A plan is feasible
-when it covers the whole gap; an infeasible one is priced as None.
+when it covers the whole gap; an infeasible one is priced as None. Each is priced as SGLang will
+carry it out:
 
-- offload: the smallest multiple of `expand_groups` groups that covers the gap, capped at the
-  headroom. No headroom, no offload (and no combined): "only C_c and C_p remain".
-- evict: whole radix nodes in ascending C_c until the gap is covered.
-- preempt: victims in SGLang's retraction order until the gap is covered; only at a decode
-  allocation, because at a prefill allocation SGLang's admission has already promised the space.
+- offload: the smallest multiple of `expand_groups` groups whose exact token gain covers the gap,
+  capped at the headroom. No headroom, no offload (and no combined): "only C_c and C_p remain".
+- evict: whole radix nodes in the tree's own eviction order, each at the tree's own price, until
+  the gap is covered.
+- preempt: only at a decode allocation (at a prefill allocation SGLang's admission has already
+  promised the space). SGLang's `retract_decode` retracts victims one at a time; each frees its
+  rows beyond the cache-protected prefix, and after each SGLang evicts until
+  `retract_buffer_tokens` per remaining request are free, then re-checks the step's need. So C_p
+  is the victims' C_p^(1) (Eqs. 4/5) plus C_c of that eviction, replayed here step by step.
 - combined: the largest allowed offload that stays below the gap (a multiple of `expand_groups`,
   or all the headroom, as for offload), plus eviction of the remainder. It is None when that floor
-  is zero (it would only be evict) and when the tree cannot free the remainder.
+  adds nothing (it would only be evict) and when the tree cannot free the remainder.
 """
 
 from __future__ import annotations
@@ -83,17 +88,39 @@ def plan(snapshot: Snapshot, coeffs: Coefficients, policy: str = "cost") -> Plan
     return Plan(action, chosen.groups, chosen.evict_tokens, costs)
 
 
+def eviction_need_tokens(gap_tokens: int, free_tokens: int, running_requests: int,
+                         retract_buffer_tokens: int) -> int:
+    """The most tokens any plan may ask the tree to free: the gap, or what SGLang's retraction
+    evicts after its first victim (a buffer per remaining request). The snapshot's candidate list
+    may stop once it covers this much."""
+    return max(gap_tokens, (running_requests - 1) * retract_buffer_tokens - free_tokens, 0)
+
+
 # --- the four candidate plans --------------------------------------------------------------------
+class _TreeEviction:
+    """Eviction from the snapshot's candidates in the tree's order, freeing whole nodes, resumable:
+    the preempt replay evicts a little after each victim, the others once."""
+
+    def __init__(self, s: Snapshot, c: Coefficients) -> None:
+        self.s, self.c = s, c
+        self.next_index, self.freed, self.cost_s = 0, 0, 0.0
+
+    def free(self, need_tokens: int) -> bool:
+        """Evict until `need_tokens` are freed in all; False if the candidates run out first."""
+        blocks = self.s.evictable
+        while self.freed < need_tokens and self.next_index < len(blocks):
+            e = blocks[self.next_index]
+            self.next_index += 1
+            self.freed += e.tokens
+            self.cost_s += cached_block_cost_s(e.tokens, e.hits, e.age_steps, e.prior_hit_rate, self.c)
+        return self.freed >= need_tokens
+
+
 def _evict_cover(s: Snapshot, c: Coefficients, need_tokens: int) -> float | None:
-    """C_c (Eq. 2) of freeing `need_tokens` from whole nodes taken in the snapshot's order, which is
-    the order the tree will really evict them in; None if the tree cannot free that much."""
-    freed, cost_s = 0, 0.0
-    for e in s.evictable:
-        if freed >= need_tokens:
-            break
-        freed += e.tokens
-        cost_s += cached_block_cost_s(e.tokens, e.hits, e.age_steps, s.observed_hit_rate, c)
-    return cost_s if freed >= need_tokens else None
+    """C_c (Eq. 2) of freeing `need_tokens` from whole nodes taken in the tree's eviction order;
+    None if the tree cannot free that much."""
+    tree = _TreeEviction(s, c)
+    return tree.cost_s if tree.free(need_tokens) else None
 
 
 def _evict(s: Snapshot, c: Coefficients) -> _Option | None:
@@ -106,36 +133,47 @@ def _offload_price(s: Snapshot, c: Coefficients, groups: int) -> float:
     return offload_cost_s(groups, o.shards_per_group, o.local_experts, o.top_k, o.decode_budget_min, c)
 
 
+def _allowed_groups(s: Snapshot, c: Coefficients) -> list[int]:
+    """Offload sizes a plan may use: expand steps, and all the headroom as the last step."""
+    headroom = s.offload.headroom_groups
+    steps = list(range(c.expand_groups, headroom, c.expand_groups))
+    return steps + [headroom] if headroom else []
+
+
 def _offload(s: Snapshot, c: Coefficients) -> _Option | None:
-    o = s.offload
-    if o.headroom_groups == 0 or o.headroom_groups * o.tokens_per_group < s.gap_tokens:
-        return None
-    needed = -(-s.gap_tokens // o.tokens_per_group)
-    groups = min(-(-needed // c.expand_groups) * c.expand_groups, o.headroom_groups)
-    return _Option(_offload_price(s, c, groups), groups, 0)
+    for groups in _allowed_groups(s, c):
+        if s.offload_tokens(groups) >= s.gap_tokens:
+            return _Option(_offload_price(s, c, groups), groups, 0)
+    return None
 
 
 def _preempt(s: Snapshot, c: Coefficients) -> _Option | None:
-    if s.site == "prefill":
+    """Replays `retract_decode`: retract a victim, evict to the per-request buffer, re-check."""
+    if s.site == "prefill" or not s.preempt:
         return None
-    freed, partials = 0, []
+    free = s.free_tokens
+    need = s.gap_tokens + s.free_tokens  # the step's allocation
+    remaining = len(s.preempt) + 1  # SGLang keeps the last request
+    tree, partials = _TreeEviction(s, c), []
     for victim in s.preempt:
-        if freed >= s.gap_tokens:
-            break
-        freed += victim.tokens
+        remaining -= 1
+        free += victim.tokens
+        need -= victim.decode_tokens
         partials.append(victim.partial_tokens)
-    return _Option(preempt_cost_s(partials, c), 0, 0) if freed >= s.gap_tokens else None
+        target = max(remaining * s.retract_buffer_tokens, need)
+        tree.free(target - free)  # SGLang evicts towards the target; the tree may run out
+        if free + tree.freed >= need:
+            return _Option(preempt_cost_s(partials, c) + tree.cost_s, 0, 0)
+    return None
 
 
 def _combined(s: Snapshot, c: Coefficients) -> _Option | None:
-    o = s.offload
-    if o.headroom_groups == 0:
+    below = [g for g in _allowed_groups(s, c) if s.offload_tokens(g) < s.gap_tokens]
+    floor = below[-1] if below else 0
+    added = s.offload_tokens(floor)
+    if added == 0:
         return None
-    below = -(-s.gap_tokens // o.tokens_per_group) - 1  # most groups that stay below the gap
-    floor = o.headroom_groups if o.headroom_groups <= below else below // c.expand_groups * c.expand_groups
-    if floor == 0:
-        return None
-    remainder = s.gap_tokens - floor * o.tokens_per_group
+    remainder = s.gap_tokens - added
     evict_s = _evict_cover(s, c, remainder)
     if evict_s is None:
         return None

@@ -5,18 +5,26 @@ planner decides from it, and `python -m vamp_sglang.policy explain` replays it f
 Validation lives in `Snapshot.__post_init__`, so a snapshot built in code is held to the same
 rules as one parsed from a file, and every error names the offending field by its JSON path.
 
-    {"site": "prefill" | "decode", "gap_tokens": int,
-     "evictable": [{"tokens": int, "hits": int, "age_steps": int}, ...],
-     "offload": {"headroom_groups": int, "tokens_per_group": int, "shards_per_group": int,
+    {"site": "prefill" | "decode", "gap_tokens": int, "free_tokens": int,
+     "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float}, ...],
+     "offload": {"headroom_groups": int, "tokens_by_groups": [int, ...], "shards_per_group": int,
                  "local_experts": int, "top_k": int, "decode_budget_min": int},
-     "preempt": [{"partial_tokens": int, "tokens": int}, ...],
+     "preempt": [{"partial_tokens": int, "tokens": int, "decode_tokens": int}, ...],
+     "retract_buffer_tokens": int,
      "observed_hit_rate": float,
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
-tokens) in the order the tree will evict them, so the planner prices what eviction really removes. `preempt` lists
-running requests in the order SGLang's `retract_decode` would retract them; `tokens` is what
-retracting one gives back to the pool, `partial_tokens` what it must re-prefill when it returns.
+tokens) in the order the tree will evict them, each with the hit-rate prior the tree prices it
+with (its writer's rate, or the tree-wide rate), so the planner prices what eviction really
+removes, at the tree's own price. The list is cut once it covers the most any plan could ask for.
+`tokens_by_groups[n - 1]` is the exact KV tokens offloading n more groups adds on every rank
+(never an average: pages per buffer round down, so the first group can add 0).
+`preempt` lists running requests in the order SGLang's `retract_decode` would retract them (the
+last request is always kept): `tokens` is what retracting one frees at once (its rows beyond the
+cache-protected prefix), `partial_tokens` what it must re-prefill when it returns, `decode_tokens`
+what its next decode step would have allocated. After each retraction SGLang evicts until
+`retract_buffer_tokens` per remaining request are free (`release_req`), which the planner prices.
 """
 
 from __future__ import annotations
@@ -41,12 +49,13 @@ class EvictableBlock:
     tokens: int
     hits: int  # admitted requests that reused this node
     age_steps: int  # scheduler steps since its last use
+    prior_hit_rate: float  # r_hit prior of Eq. 1 the tree uses for this node (writer's rate or tree-wide)
 
 
 @dataclass(frozen=True)
 class OffloadState:
     headroom_groups: int  # expert groups that may still be offloaded on every rank
-    tokens_per_group: int  # KV tokens one offloaded group adds to the pool
+    tokens_by_groups: tuple[int, ...]  # [n - 1]: KV tokens n more offloaded groups add (rank-agreed)
     shards_per_group: int  # g of Eq. 3
     local_experts: int  # E of Eq. 3: rank-local expert shards per layer
     top_k: int  # k of Eq. 3
@@ -55,24 +64,33 @@ class OffloadState:
 
 @dataclass(frozen=True)
 class PreemptCandidate:
-    partial_tokens: int
-    tokens: int
+    partial_tokens: int  # n_partial of Eq. 4: what it re-prefills when it comes back
+    tokens: int  # rows retracting it frees at once (owned beyond the cache-protected prefix)
+    decode_tokens: int  # rows its next decode step would allocate (one page, or none mid-page)
 
 
 @dataclass(frozen=True)
 class Snapshot:
     site: str
     gap_tokens: int  # tokens short of the allocation; <= 0 means nothing to do
+    free_tokens: int  # tokens the allocator has free now
     evictable: tuple[EvictableBlock, ...]
     offload: OffloadState
     preempt: tuple[PreemptCandidate, ...]
+    retract_buffer_tokens: int  # SGLang frees this many per remaining request after each retraction
     observed_hit_rate: float
     coefficients: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
         object.__setattr__(self, "preempt", tuple(self.preempt))
+        object.__setattr__(self, "offload", dataclasses.replace(
+            self.offload, tokens_by_groups=tuple(self.offload.tokens_by_groups)))
         _validate(self)
+
+    def offload_tokens(self, n_groups: int) -> int:
+        """KV tokens offloading `n_groups` more groups adds (0 for none)."""
+        return self.offload.tokens_by_groups[n_groups - 1] if n_groups > 0 else 0
 
     def coefficients_over(self, base: Coefficients) -> Coefficients:
         """`base` with this snapshot's overrides applied, so a logged snapshot replays to the same plan."""
@@ -81,32 +99,39 @@ class Snapshot:
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
         top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients",))
-        offload = _fields(top["offload"], "snapshot.offload", _names(OffloadState))
+        offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
+        offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
             site=top["site"],
             gap_tokens=top["gap_tokens"],
+            free_tokens=top["free_tokens"],
             evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)))
                             for i, e in enumerate(_list(top["evictable"], "snapshot.evictable"))),
             offload=OffloadState(**offload),
             preempt=tuple(PreemptCandidate(**_fields(p, f"snapshot.preempt[{i}]", _names(PreemptCandidate)))
                           for i, p in enumerate(_list(top["preempt"], "snapshot.preempt"))),
+            retract_buffer_tokens=top["retract_buffer_tokens"],
             observed_hit_rate=top["observed_hit_rate"],
             coefficients=dict(_fields(top.get("coefficients", {}), "snapshot.coefficients", (),
                                       optional=COEFFICIENT_NAMES)),
         )
 
     def to_json(self) -> dict[str, Any]:
-        d = {"site": self.site, "gap_tokens": self.gap_tokens,
+        offload = dataclasses.asdict(self.offload)
+        offload["tokens_by_groups"] = list(self.offload.tokens_by_groups)
+        d = {"site": self.site, "gap_tokens": self.gap_tokens, "free_tokens": self.free_tokens,
              "evictable": [dataclasses.asdict(e) for e in self.evictable],
-             "offload": dataclasses.asdict(self.offload),
+             "offload": offload,
              "preempt": [dataclasses.asdict(p) for p in self.preempt],
+             "retract_buffer_tokens": self.retract_buffer_tokens,
              "observed_hit_rate": self.observed_hit_rate}
         if self.coefficients:
             d["coefficients"] = dict(self.coefficients)
         return d
 
 
-_TOP_FIELDS = ("site", "gap_tokens", "evictable", "offload", "preempt", "observed_hit_rate")
+_TOP_FIELDS = ("site", "gap_tokens", "free_tokens", "evictable", "offload", "preempt", "retract_buffer_tokens",
+               "observed_hit_rate")
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -149,24 +174,41 @@ def _validate(s: Snapshot) -> None:
     if s.site not in SITES:
         raise SnapshotError(f"snapshot.site must be 'prefill' or 'decode' (got {s.site!r})")
     _int(s.gap_tokens, "snapshot.gap_tokens", None)
+    _int(s.free_tokens, "snapshot.free_tokens", 0)
+    _int(s.retract_buffer_tokens, "snapshot.retract_buffer_tokens", 0)
     for i, e in enumerate(s.evictable):
         _int(e.tokens, f"snapshot.evictable[{i}].tokens", 1)
         _int(e.hits, f"snapshot.evictable[{i}].hits", 0)
         _int(e.age_steps, f"snapshot.evictable[{i}].age_steps", 0)
+        _rate(e.prior_hit_rate, f"snapshot.evictable[{i}].prior_hit_rate")
     o = s.offload
     _int(o.headroom_groups, "snapshot.offload.headroom_groups", 0)
-    for name in ("tokens_per_group", "shards_per_group"):
-        # Without headroom the layout may be absent (offload off), so 0 is allowed there.
-        _int(getattr(o, name), f"snapshot.offload.{name}", 1 if o.headroom_groups > 0 else 0)
+    if len(o.tokens_by_groups) != o.headroom_groups:
+        raise SnapshotError(f"snapshot.offload.tokens_by_groups must list one count per headroom group "
+                            f"({o.headroom_groups}, got {len(o.tokens_by_groups)})")
+    previous = 0
+    for i, tokens in enumerate(o.tokens_by_groups):
+        _int(tokens, f"snapshot.offload.tokens_by_groups[{i}]", 0)
+        if tokens < previous:
+            raise SnapshotError(f"snapshot.offload.tokens_by_groups must not decrease (index {i}: "
+                                f"{tokens} < {previous})")
+        previous = tokens
+    # Without headroom the layout may be absent (offload off), so 0 is allowed there.
+    _int(o.shards_per_group, "snapshot.offload.shards_per_group", 1 if o.headroom_groups > 0 else 0)
     _int(o.local_experts, "snapshot.offload.local_experts", 1)
     _int(o.top_k, "snapshot.offload.top_k", 1)
     _int(o.decode_budget_min, "snapshot.offload.decode_budget_min", 0)
     for i, p in enumerate(s.preempt):
         _int(p.partial_tokens, f"snapshot.preempt[{i}].partial_tokens", 0)
         _int(p.tokens, f"snapshot.preempt[{i}].tokens", 0)
-    if not (_is_number(s.observed_hit_rate) and 0.0 <= s.observed_hit_rate <= 1.0):
-        raise SnapshotError(f"snapshot.observed_hit_rate must be a number in [0, 1] (got {s.observed_hit_rate!r})")
+        _int(p.decode_tokens, f"snapshot.preempt[{i}].decode_tokens", 0)
+    _rate(s.observed_hit_rate, "snapshot.observed_hit_rate")
     _validate_coefficients(s.coefficients)
+
+
+def _rate(v: Any, path: str) -> None:
+    if not (_is_number(v) and 0.0 <= v <= 1.0):
+        raise SnapshotError(f"{path} must be a number in [0, 1] (got {v!r})")
 
 
 def _validate_coefficients(overrides: Mapping[str, Any]) -> None:

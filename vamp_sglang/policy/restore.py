@@ -1,0 +1,79 @@
+"""When expert memory comes back (the paper leaves restoring out; we restore when pressure stays low).
+
+A restore shrinks the KV pool from its tail by one expand step, which is allowed only over free
+rows, and makes decode cheaper again (fewer offloaded experts to stage). Two triggers, both pure
+functions of a `RestoreState` so every restore is logged and replayed like a shortfall plan:
+
+- busy: the pool has stayed calm (after giving one step back, a quarter of the start-up pool would
+  still be free) for `restore_after_steps` scheduler steps. Only free tail rows are given back:
+  nothing is evicted while requests run.
+- idle: no request at all for `idle_restore_s` seconds of wall-clock time (never scheduler polls,
+  which come every second with --sleep-on-idle and thousands of times a second without it). Then
+  the cached prefixes that do not fit the smaller pool are evicted cheapest first, only if that
+  and moving the rest off the tail (compaction, page size 1) frees every row the restore drops,
+  so no prefix is evicted for a restore that cannot happen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+IDLE_RESTORE_S = 10.0  # wall-clock seconds without any request before experts start coming back
+
+
+@dataclass(frozen=True)
+class RestoreState:
+    idle: bool  # no request queued or running
+    idle_s: float  # wall-clock seconds the server has been idle (rank-agreed minimum)
+    calm_steps: int  # consecutive busy steps with the calm condition true
+    restore_after_steps: int  # --vamp-restore-after-steps; 0 disables restoring
+    offloaded_groups: int
+    expand_groups: int
+    pool_tokens: int
+    keep_tokens: int  # the pool size once one step of groups is back
+    used_tokens: int  # rows in use (requests and the tree)
+    evictable_tokens: int  # rows the tree could evict now
+    baseline_tokens: int  # the start-up pool
+    tail_free: bool  # every row above keep_tokens is free already
+    can_compact: bool  # tree-held rows may be moved below keep_tokens (page size 1, server idle)
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    groups: int  # 0: no restore now
+    evict_tokens: int  # cached tokens to evict first (idle only)
+    compact: bool  # move tree-held tail rows below keep_tokens first
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def calm(free_tokens: int, pool_tokens: int, keep_tokens: int, baseline_tokens: int) -> bool:
+    """A busy step is calm if, after giving one step back, a quarter of the start-up pool stays free."""
+    return free_tokens >= (pool_tokens - keep_tokens) + baseline_tokens // 4
+
+
+def plan_restore(s: RestoreState) -> RestorePlan:
+    groups = min(s.expand_groups, s.offloaded_groups)
+    if not s.restore_after_steps or groups == 0:
+        return RestorePlan(0, 0, False, "nothing offloaded or restoring disabled")
+    if not s.idle:
+        if s.calm_steps < s.restore_after_steps:
+            return RestorePlan(0, 0, False, f"calm for {s.calm_steps} of {s.restore_after_steps} steps")
+        if not s.tail_free:
+            return RestorePlan(0, 0, False, "calm, but the tail rows are in use")
+        return RestorePlan(groups, 0, False, f"calm for {s.calm_steps} steps")
+    if s.idle_s < IDLE_RESTORE_S:
+        return RestorePlan(0, 0, False, f"idle for {s.idle_s:.1f} of {IDLE_RESTORE_S:.0f} s")
+    if s.tail_free:
+        return RestorePlan(groups, 0, False, f"idle for {s.idle_s:.1f} s, tail free")
+    if not s.can_compact:
+        return RestorePlan(0, 0, False, "idle, but tail rows are held and cannot be moved")
+    evict_tokens = max(s.used_tokens - s.keep_tokens, 0)
+    if evict_tokens > s.evictable_tokens:
+        return RestorePlan(0, 0, False, "idle, but the smaller pool cannot hold what must stay")
+    return RestorePlan(groups, evict_tokens, True, f"idle for {s.idle_s:.1f} s: evict {evict_tokens}, compact")
