@@ -63,24 +63,34 @@ def table(names: list[str], results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eval.demo", description=__doc__.splitlines()[0])
+def add_demo_args(parser: argparse.ArgumentParser, out_dir: str) -> None:
+    """The demo's model, pool and workload flags (also used by eval.demo_multinode)."""
     parser.add_argument("--model", default=TINY_MODEL)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-total-tokens", type=int, default=2048, help="the baseline KV pool")
     parser.add_argument("--ratio", type=float, default=0.15, help="VAMP's max offload ratio (paper: VAMP-15)")
     parser.add_argument("--sessions", type=int, default=6)
     parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--out-dir", default="results/demo")
+    parser.add_argument("--out-dir", default=out_dir)
+
+
+def demo_spec(args: argparse.Namespace) -> BenchSpec:
+    """The short multi-turn run whose reusable prefixes overflow the baseline pool."""
+    return BenchSpec("multiturn", multiturn=MultiTurnSpec(
+        args.sessions, args.turns, first_turn_tokens=256, turn_growth_tokens=64, output_tokens=16,
+        block_tokens=32).validate())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eval.demo", description=__doc__.splitlines()[0])
+    add_demo_args(parser, "results/demo")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = ServerSetup(args.model, args.device, args.max_total_tokens, log_dir=str(out_dir / "logs"))
-    spec = BenchSpec("multiturn", multiturn=MultiTurnSpec(
-        args.sessions, args.turns, first_turn_tokens=256, turn_growth_tokens=64, output_tokens=16,
-        block_tokens=32).validate())
+    spec = demo_spec(args)
     configs = [BASELINE, vamp(args.ratio)]
     results = []
     for config in configs:

@@ -10,7 +10,7 @@ RESULTS ?= results
 EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
-.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all
+.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -25,3 +25,7 @@ report:
 	$(PY) -m eval.report $(RESULTS)
 
 eval-all: sweep-concurrency ablation-ratio ablation-policy report
+
+# TP 2 over two "nodes" on loopback (the rank controller on TCP + CURVE): both nodes, then TP 2 and TP 1.
+demo-multinode: model
+	OMP_NUM_THREADS=1 $(PY) -m eval.demo_multinode --model $(MODEL)
