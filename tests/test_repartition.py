@@ -11,7 +11,7 @@ from eval.bench_memory import moe_forward
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import LayoutError
 from vamp_sglang.memory.repartition import AgreementMismatch, Repartitioner
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
+from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER = [0, 1, 2, 3], 16, 128, 64  # w13 1 page, w2 half a page: g = 2, 3 pages/group
 
@@ -88,9 +88,7 @@ def system():
     engine.close()
     rp.close()
     kv.close()
-    for store in stores:
-        store.close()
-    staging.close()
+    close_expert_stores(staging, stores)
     assert real.live_counts().handles == 0
     real.close()
 

@@ -38,7 +38,7 @@ import torch
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout
-from vamp_sglang.memory.staging import StagingBuffers, StagingEngine
+from vamp_sglang.memory.staging import StagingBuffers, StagingEngine, close_expert_stores
 
 
 class ExpertConversionError(RuntimeError):
@@ -62,9 +62,7 @@ class ModelExperts:
 
     def close(self) -> None:
         self.engine.close()
-        for store in self.stores:
-            store.close()
-        self.staging_buffers.close()
+        close_expert_stores(self.staging_buffers, self.stores)
 
 
 def find_moe_layers(model: torch.nn.Module) -> list[Any]:

@@ -133,11 +133,16 @@ def build_expert_stores(backend: PageBackend, layout: ExpertLayout,
             stores.append(ExpertStore(backend, layout, layer_id, w13, w2, *staging.alias_pages(layer_id),
                                       host_arena=staging.host_arena))
     except BaseException:
-        for store in stores:
-            store.close()
-        staging.close()
+        close_expert_stores(staging, stores)
         raise
     return staging, stores
+
+
+def close_expert_stores(staging: StagingBuffers, stores: Sequence[ExpertStore]) -> None:
+    """Close the stores, then the staging slots and host arena they read (in that order)."""
+    for store in stores:
+        store.close()
+    staging.close()
 
 
 @dataclass(frozen=True)
