@@ -129,8 +129,7 @@ def probe_driver_rules(backend: PageBackend, gpu: bool) -> dict:
     backend.free_reservation(base, 2 * g)
     for h in (h1, h2, h_double):
         backend.release(h)
-    result["ok"] = result["map_over_mapped_va"].startswith("refused")  # the rule our bookkeeping assumes
-    return result
+    return result  # a probe: it reports what the driver does and fails only if a call raises unexpectedly
 
 
 def _attempt(call: Callable[[], None], undo: Callable[[], object]) -> str:
@@ -280,7 +279,9 @@ def check_graphs(backend: PageBackend, gpu: bool) -> dict:
     result["first_eager_forward_after_offload_exact"] = torch.equal(eager(engine), reference)
     if segments is not None:
         _poison_slots(stores)
-        result["replay_after_offload_exact"] = torch.equal(_replay(segments, layer_ids, engine), reference)
+        replayed = _replay(segments, layer_ids, engine)
+        result["replay_after_offload_exact"] = torch.equal(replayed, reference)
+        result["replay_max_abs_diff"] = float((replayed.float() - reference.float()).abs().max())
         result["replay_again_exact"] = torch.equal(_replay(segments, layer_ids, engine), reference)
     split = StagingEngine(stores, "async", split_w2_wait=True)
     _poison_slots(stores)

@@ -52,3 +52,14 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert graphs["one_page_same_through_every_address"] and graphs["no_page_leaked"]
     assert [b["batch"] for b in report["overlap"]["batches"]] == [1, 16, 64]
     assert report["overlap"]["outputs_exact"] is True
+
+
+@pytest.mark.gpu
+def test_gpu_check_passes_on_a_gpu(tmp_path):
+    """Every CUDA path of issue 10 in one run: staging under captured graphs, the arena, runs, timing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (none here)")
+    proc = run("--require-gpu", "--json", str(tmp_path / "gpu_check.json"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["graphs"]["replay_after_offload_exact"] and report["graphs"]["hooks_idle_while_capturing"]
