@@ -253,11 +253,14 @@ def test_a_rollback_synchronises_before_it_unmaps(system):
 
 
 def test_one_synchronise_per_transaction(system):
-    """Issue 10 item 8: the stores and KV buffers inside a transaction do not synchronise again."""
-    _real, backend, _weights, _layout, _stores, _kv, _pool, rp, _engine = system
-    for remap in (lambda: rp.offload(3), lambda: rp.restore(2)):
+    """Issue 10 item 8: the stores and KV buffers inside a transaction do not synchronise again, and map
+    contiguous runs."""
+    _real, backend, _weights, _layout, stores, kv, _pool, rp, _engine = system
+    for remap, runs in ((lambda: rp.offload(3), 2 * len(stores) + kv.n_buffers), (lambda: rp.restore(2), 2 * len(stores))):
         backend.log.clear()
         remap()
         assert backend.log.count("synchronize") == 1 and backend.log[0] == "synchronize"
+        # pages move as contiguous runs (access set once per run): w13 and w2 of each store, each K/V buffer
+        assert "map" not in backend.log and backend.log.count("map_run") == runs
     assert rp.stats().remapped_bytes == 5 * rp.layout.bytes_freed_per_group
     assert rp.stats().remap_s > 0 and rp.stats().remap_gib_per_s > 0
