@@ -9,7 +9,7 @@ PORT ?= 30000
 MAX_TOTAL_TOKENS ?= 8192
 VAMP_FLAGS ?=
 
-.PHONY: install test test-fast test-server lint serve-cpu demo model clean
+.PHONY: install test test-fast test-server test-dashboard lint serve-cpu demo model clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ test-fast: install
 
 test-server: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m server
+
+# The Grafana dashboard against a real Prometheus (installs Debian's prometheus package when missing).
+test-dashboard: model
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/test_dashboard_prometheus.py
 
 lint: install
 	$(VENV)/bin/ruff check vamp_sglang eval tests
