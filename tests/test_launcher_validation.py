@@ -50,6 +50,11 @@ BAD_FLAGS = [
     (["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:25000"], "--vamp-controller-key-file"),
     (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:25000"], "--node-rank"),
     (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "127.0.0.1:25000"], "--tp-size"),
+    (["--vamp-tpot-slo-ms", "0"], "--vamp-tpot-slo-ms"),
+    (["--vamp-tpot-slo-ms", "-50"], "--vamp-tpot-slo-ms"),
+    (["--vamp-tpot-slo-ms", "nan"], "--vamp-tpot-slo-ms"),
+    (["--vamp-tpot-slo-ms", "inf"], "--vamp-tpot-slo-ms"),
+    (["--vamp-tpot-slo-ms", "fast"], "--vamp-tpot-slo-ms"),
 ]
 
 
@@ -87,6 +92,15 @@ def test_vamp_on_selects_our_tree_and_exports_config():
     exported = json.loads(launch.env["VAMP_SGLANG_CONFIG"])
     assert exported["max_offload_ratio"] == 0.2 and exported["alpha"] == 0.4
     assert launch.env["VAMP_SGLANG_ENABLE"] == "1"
+
+
+def test_tpot_slo_is_off_by_default_and_travels_to_the_schedulers_when_set():
+    import json
+
+    assert VampConfig().tpot_slo_ms is None
+    assert json.loads(launch_server.prepare(MODEL).env["VAMP_SGLANG_CONFIG"])["tpot_slo_ms"] is None
+    launch = launch_server.prepare(MODEL + ["--vamp-tpot-slo-ms", "120.5"])
+    assert json.loads(launch.env["VAMP_SGLANG_CONFIG"])["tpot_slo_ms"] == 120.5
 
 
 def test_defaults_are_the_papers():

@@ -48,6 +48,7 @@ class VampConfig:
     decision_log: str | None = None  # JSONL file that every decision is appended to
     controller_port: int = 0  # --nnodes > 1: the rank controller's TCP port; 0 = --dist-init-addr port + 7
     controller_key_file: str | None = None  # --nnodes > 1: the deployment's CURVE key pair (mode 0600)
+    tpot_slo_ms: float | None = None  # TPOT SLO: no offload projected past it (policy/tpot_guard); None: off
 
     @property
     def enabled(self) -> bool:
@@ -71,6 +72,8 @@ class VampConfig:
             (self.page_backend in PAGE_BACKENDS,
              f"--vamp-page-backend must be one of {', '.join(PAGE_BACKENDS)}"),
             (0 <= self.controller_port <= 65535, "--vamp-controller-port must be in [0, 65535] (0: dist-init + 7)"),
+            (self.tpot_slo_ms is None or (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0),
+             "--vamp-tpot-slo-ms must be a positive finite number of milliseconds"),
         ]
         for ok, message in checks:
             if not ok:
@@ -135,7 +138,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument("--vamp-no-calibrate", dest="vamp_calibrate", action="store_false",
                                help="use the fixed --vamp-t-* coefficients instead of online measurements")
             continue
-        kind = {"float": float, "int": int}.get(str(field.type), str)
+        kind = {"float": float, "int": int, "float | None": float}.get(str(field.type), str)
         kwargs = {"dest": "vamp_" + field.name, "type": kind, "default": default, "help": f"(default: {default})"}
         if field.name == "policy":
             kwargs["choices"] = POLICIES
