@@ -151,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup_allocator_context()
-    radix.install([])
+    radix.install()
     trace = make_trace(args.requests, args.sessions, args.seed)
     print(f"trace: {len(trace)} requests, {sum(map(len, trace))} tokens; bounded replay pool {args.pool_tokens} tokens")
     runs = [[bench(label, trace, args.pool_tokens, args.drain_chunk_tokens) for label in CORES]

@@ -32,6 +32,7 @@ class ServerConfig:
     name: str
     flags: tuple[str, ...] = ()
     plain_sglang: bool = False  # `python -m sglang.launch_server` itself: no VAMP plugin, no --vamp-* flags
+    env: tuple[tuple[str, str], ...] = ()  # extra environment, e.g. (("VAMP_SGLANG_FAULT", "remap:1"),)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def free_port() -> int:
 
 def launch_env(setup: ServerSetup, config: ServerConfig) -> dict[str, str]:
     """The server's environment; plain SGLang on CPU gets by hand what our launcher sets up for it."""
-    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} | dict(config.env)
     if config.plain_sglang and setup.device == "cpu":
         from vamp_sglang.cpu import cpu_environment
 

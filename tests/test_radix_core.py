@@ -11,6 +11,7 @@ from sglang.srt.server_args import ServerArgs
 
 from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401 (fixture)
 from vamp_sglang.integration import radix
+from vamp_sglang.policy import EvictableBlock
 
 
 def insert(cache, allocator, tokens):
@@ -29,7 +30,7 @@ def node_for(cache, tokens):
 
 
 def test_registries_build_our_tree_from_server_flags():
-    radix.install([])
+    radix.install()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model-path", "dummy", "--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"])
@@ -47,12 +48,12 @@ def test_registries_build_our_tree_from_server_flags():
     assert type(cache.tree_core.eviction_strategy) is radix.VampStrategy
 
 
-def test_install_is_idempotent_and_adds_the_admission_hook_once():
-    hooks: list = []
-    radix.install(hooks)
-    radix.install(hooks)
-    assert [h.target for h in hooks] == [
-        "sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission"]
+def test_install_is_idempotent():
+    from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES
+
+    radix.install()
+    radix.install()
+    assert RADIX_EVICTION_POLICY_CHOICES.count("vamp") == 1
 
 
 def test_policy_without_our_tree_fails_with_a_clear_error():
@@ -94,8 +95,10 @@ def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt():
     step[0] = 10
     with core.written_by(0.0):  # then a one-shot prompt arrived
         insert(cache, allocator, list(range(600, 620)))
-    assert radix.eviction_candidates(cache, 2) == [{"tokens": 20, "hits": 0, "age_steps": 0},
-                                                   {"tokens": 20, "hits": 0, "age_steps": 10}]
+    # priced with their writers' rates, in the tree's order; lazily: enough to cover the need only
+    assert radix.eviction_candidates(cache, 40, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0),
+                                                             EvictableBlock(20, 0, 10, 0.9)]
+    assert radix.eviction_candidates(cache, 5, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0)]
     cache.evict(EvictParams(num_tokens=1))
     assert node_for(cache, list(range(500, 520))).vamp_stats.prior == 0.9  # still cached
     assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 0
@@ -141,5 +144,5 @@ def test_radix_stats_report_sizes_reuse_and_evictions_only():
     assert (stats["admissions"], stats["hit_tokens"], stats["requested_tokens"]) == (6, 48, 96)
     assert stats["hits_histogram"]["2-3"] == 1 and stats["hits_histogram"]["0"] == 2
     assert sum(stats["age_histogram_steps"].values()) == 3
-    candidates = radix.eviction_candidates(radix_cache := build_cache(1)[0], 5)
+    candidates = radix.eviction_candidates(radix_cache := build_cache(1)[0], 5, 0, 1, 20)
     assert candidates == [] and radix.estimate_eviction(radix_cache, 10) == (0, 0.0)

@@ -31,7 +31,7 @@ FULL = ComponentType.FULL
 @pytest.fixture(scope="module", autouse=True)
 def sglang_context():
     setup_allocator_context()
-    radix.install([])
+    radix.install()
 
 
 def build_cache(page_size: int, sessions: bool = False, policy: str = "vamp"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 ENV_ENABLE = "VAMP_SGLANG_ENABLE"  # "1" only when our launcher started this process tree
 ENV_CONFIG = "VAMP_SGLANG_CONFIG"  # the VampConfig as JSON
 ENV_CONTROL_DIR = "VAMP_SGLANG_CONTROL_DIR"  # private 0700 directory for the controller's ipc sockets
+ENV_FAULT = "VAMP_SGLANG_FAULT"  # fault injection for tests and soak runs (vamp_sglang/faults.py)
 ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "port", "key_file"} as JSON
 
 POLICIES = ("cost", "evict-first", "offload-first")
@@ -103,6 +104,10 @@ class VampConfig:
 
 def plugin_enabled() -> bool:
     return os.environ.get(ENV_ENABLE) == "1"
+
+
+def fault_spec() -> str | None:
+    return os.environ.get(ENV_FAULT)
 
 
 def control_dir() -> str | None:

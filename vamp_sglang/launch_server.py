@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from vamp_sglang import config
 from vamp_sglang.config import ConfigError, VampConfig
+from vamp_sglang.faults import Faults, FaultSpecError
 from vamp_sglang.integration import gpu_flags
 
 PROG = "python -m vamp_sglang.launch_server"
@@ -116,6 +117,10 @@ def prepare(argv: list[str]) -> Launch:
     config.add_cli_args(parser)
     ns, rest = parser.parse_known_args(argv)
     vamp = config.from_cli_args(ns)
+    try:
+        Faults.parse(config.fault_spec())
+    except FaultSpecError as e:
+        raise ConfigError(str(e)) from None
     sg = _sglang_view(rest)
     if sg.tp_size < 1:
         raise ConfigError(f"--tp-size must be >= 1 (got {sg.tp_size})")

@@ -4,13 +4,22 @@ SGLang 0.5.23 funnels every KV shortfall through `BaseTokenToKVPoolAllocator.evi
 (prefill allocation, decode allocation, the decode capacity check that decides retraction). There
 the exact gap is known, so an AROUND hook builds the planner snapshot from the live tree, the expert
 memory and the running batch, asks the planner, and carries the plan out:
-- offload: the TP ranks agree on a common token count (controller), every rank remaps exactly that
-  many (a transaction) or none, and the allocator grows;
-- evict: SGLang's own eviction runs, ordered by C_c through our tree's eviction strategy;
+- offload: the TP ranks agree on the groups and on a common token count (controller), every rank
+  remaps exactly that many (a transaction) or none, and the allocator grows;
+- evict: SGLang's own eviction runs, in the p_eff order of our tree's eviction strategy;
 - combined: offload the floor, evict the remainder;
 - preempt (decode only): leave the gap, so SGLang's `retract_decode` preempts.
+
+A shortfall never takes the server down. Whatever fails in our code (snapshot, planning, a remap,
+a lost rank) falls back to SGLang's own eviction for that shortfall, is logged and counted. And the
+offload headroom admission counts is made real before a request is admitted: a request that fits
+only with it triggers the offload at admission, and if that fails it simply stays in the waiting
+queue, so a prefill allocation never depends on a remap that may not happen.
+
 Every rank enters the funnel at the same point with the same arguments (SGLang's scheduling is
-replicated), and every input of the plan is replicated or agreed, so ranks decide alike.
+replicated), every input of a plan is replicated or agreed (the exact group gains, the calibrated
+coefficients, idle time), and each shortfall runs the same agreement rounds whatever the plan, so
+ranks decide alike and their round ids never drift apart.
 """
 
 from __future__ import annotations
@@ -19,140 +28,91 @@ import contextvars
 import dataclasses
 import logging
 import time
+import zlib
 from typing import Any
 
+from vamp_sglang.faults import NONE, Faults
 from vamp_sglang.integration import compaction
 from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.integration.prefill_timing import PrefillTimer
 from vamp_sglang.integration.runtime import current
-from vamp_sglang.policy import Coefficients, EvictableBlock, OffloadState, PreemptCandidate, Snapshot, plan
+from vamp_sglang.policy import Coefficients, OffloadState, PreemptCandidate, Snapshot, plan
 from vamp_sglang.policy.calibration import Calibrator
 from vamp_sglang.policy.decision_log import DecisionLog
+from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
 
 logger = logging.getLogger(__name__)
 
-MAX_EVICTION_CANDIDATES = 256  # nodes handed to the planner, cheapest first
-IDLE_RESTORE_POLLS = 10  # fully idle polls (about 1 s each) before experts start coming back
+OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
+COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
+LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
 _site: contextvars.ContextVar[tuple[str, Any]] = contextvars.ContextVar("vamp_site", default=("prefill", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadView:
+    """Rank-agreed offload headroom: groups, and the exact KV tokens n more groups add."""
+
+    headroom_groups: int
+    tokens_by_groups: tuple[int, ...]
+
+    @property
+    def headroom_tokens(self) -> int:
+        return self.tokens_by_groups[-1] if self.tokens_by_groups else 0
+
+
+NO_HEADROOM = OffloadView(0, ())
 
 
 class DecisionMaker:
     """Plans and carries out the action at each shortfall of one scheduler process."""
 
-    def __init__(self, runtime: Any, memory: Any, controller: Any, top_k: int) -> None:
+    def __init__(self, runtime: Any, memory: Any, controller: Any, top_k: int, faults: Faults = NONE) -> None:
         self.runtime = runtime
         self.memory = memory
         self.controller = controller
         self.top_k = top_k
+        self.faults = faults
         self.config = runtime.config
         self.base_coefficients = Coefficients.from_config(self.config)
-        self.calibrator = Calibrator()
+        self.calibrator = Calibrator.starting_from(self.base_coefficients)
         self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank))
         self.round_id = 0
         self.calm_steps = 0
-        self.headroom_tokens = 0  # rank-agreed tokens offload could still add; admission counts them
-        self.refresh_headroom()
+        self.idle_since: float | None = None  # wall clock (local) when the server last became idle
+        self.idle_polls = 0  # fully idle polls since then (replicated: ranks poll in lockstep)
+        self.next_idle_check = 1  # poll count of the next idle check (doubles: 1, 2, 4, ...)
+        self.offload_blocked_until_step = 0
+        self.counts = {"errors": 0, "offload_failures": 0, "admission_offloads": 0, "admission_refusals": 0,
+                       "restore_failures": 0}
+        self._logged_errors: set[str] = set()
+        self._agreed: Coefficients | None = None
+        self._agreed_at_step = 0
+        self._retracted_at: dict[str, float] = {}  # rid -> when SGLang retracted it (t_queue, Eq. 4)
+        self._staging_wait_seen_s = 0.0  # the staging engine's total wait at the last forward
+        self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
+        self.view = NO_HEADROOM
+        self.refresh_view()
 
-    # --- inputs ------------------------------------------------------------------------------
-    def next_round(self) -> int:
+    # --- agreement rounds (no-ops on one rank) -----------------------------------------------------
+    def _agree_min(self, value: int) -> tuple[int, int]:
+        """One phase-0 round: (round id, minimum over ranks). An injected agree-timeout makes this
+        rank arrive too late for the round, as a stalled rank would."""
         self.round_id += 1
-        return self.round_id
+        if self.controller.world_size > 1 and self.faults.fires("agree-timeout"):
+            time.sleep(LATE_ROUND_FACTOR * self.controller.timeout_s)
+        return self.round_id, self.controller.agree_min(self.round_id, value)
 
-    def refresh_headroom(self) -> None:
-        local = self.memory.tokens_for(self.memory.headroom_groups())
-        round_id = self.next_round()
-        self.headroom_tokens = self.controller.agree_min(round_id, local)
-        self.controller.all_ok(round_id, True)
-
-    def coefficients(self) -> Coefficients:
-        if not self.config.calibrate:
-            return self.base_coefficients
-        measured = self.calibrator.apply(self.base_coefficients, self.top_k, self.memory.layout.local_experts)
+    def _agree_value(self, value: int) -> int:
         if self.controller.world_size == 1:
-            return measured
-        # Timings differ between ranks and decisions must not, so ranks agree on one t_prefill.
-        round_id = self.next_round()
-        agreed_ns = self.controller.agree_min(round_id, int(measured.t_prefill_s * 1e9))
+            return value
+        round_id, agreed = self._agree_min(value)
         self.controller.all_ok(round_id, True)
-        t_prefill_s = agreed_ns / 1e9 if agreed_ns else self.base_coefficients.t_prefill_s
-        return dataclasses.replace(measured, t_prefill_s=t_prefill_s)
+        return agreed
 
-    def snapshot(self, gap_tokens: int, site: str, batch: Any, tree_cache: Any, coeffs: Coefficients) -> Snapshot:
-        """The planner's input; it carries the coefficients in use (measured or configured), so a
-        logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
-        from vamp_sglang.integration import radix
-
-        scheduler = self.runtime.scheduler
-        running = list(batch.reqs) if batch is not None else list(scheduler.running_batch.reqs)
-        budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in running]
-        headroom = self.memory.headroom_groups()
-        per_group = self.memory.tokens_for(1) if headroom else 0
-        return Snapshot(
-            site=site,
-            gap_tokens=gap_tokens,
-            evictable=tuple(EvictableBlock(**c) for c in radix.eviction_candidates(tree_cache, MAX_EVICTION_CANDIDATES)),
-            offload=OffloadState(
-                headroom_groups=headroom,
-                tokens_per_group=per_group,
-                shards_per_group=self.memory.layout.group_experts if headroom else 0,
-                local_experts=self.memory.layout.local_experts,
-                top_k=self.top_k,
-                decode_budget_min=max(1, min(budgets, default=1)),
-            ),
-            preempt=tuple(self._preempt_candidates(running)) if site == "decode" else (),
-            observed_hit_rate=self.runtime.radix_stats()["hit_rate"],
-            coefficients=coeffs.as_overrides(),
-        )
-
-    @staticmethod
-    def _preempt_candidates(running: list[Any]) -> list[PreemptCandidate]:
-        """Victims in SGLang's retraction order. A retracted request's KV returns to the pool;
-        what it must recompute later beyond the cached prefix is its decoded part (n_partial)."""
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-        keep_order = ScheduleBatch._get_decode_retraction_order(running)
-        victims = [running[i] for i in reversed(keep_order[1:])]  # SGLang always keeps one
-        return [PreemptCandidate(partial_tokens=len(r.output_ids),
-                                 tokens=max(1, len(r.origin_input_ids) + len(r.output_ids)))
-                for r in victims]
-
-    # --- the decision ------------------------------------------------------------------------
-    def on_shortfall(self, original: Any, allocator: Any, tree_cache: Any, num_tokens: int) -> Any:
-        site, batch = _site.get()
-        gap = num_tokens - allocator.available_size()
-        if gap <= 0 or site == "retract" or tree_cache is None or not tree_cache.supports_prefix_sharing():
-            return original(allocator, tree_cache, num_tokens)
-        start = time.perf_counter()
-        snapshot = self.snapshot(gap, site, batch, tree_cache, self.coefficients())
-        chosen = plan(snapshot, self.base_coefficients, self.config.policy)
-        decide_s = time.perf_counter() - start
-        added = self.offload(chosen.groups) if chosen.groups else 0
-        result = None
-        if chosen.action != "preempt":
-            result = original(allocator, tree_cache, num_tokens)
-        # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined
-        self.runtime.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
-        covered = allocator.available_size() >= num_tokens
-        if site == "decode" and added and covered and gap > sum(b.tokens for b in snapshot.evictable):
-            self.runtime.preemptions_avoided += 1
-        self.log.record(step=self.runtime.step, site=site, policy=self.config.policy, snapshot=snapshot,
-                        plan=chosen, decide_s=decide_s,
-                        outcome={"tokens_added": added, "covered": covered, "pool_tokens": self.memory.pool_tokens})
-        if added:
-            self.runtime.publish_metrics()
-        return result
-
-    def offload(self, groups: int) -> int:
-        """Offload `groups` per eligible layer on every rank, or on none. Returns tokens added."""
-        added = self._agreed(self.memory.tokens_for(groups),
-                             lambda tokens: self.memory.offload(groups, tokens),
-                             lambda: self.memory.restore(groups))
-        self.refresh_headroom()
-        return added
-
-    def _agreed(self, proposal: int, apply: Any, undo: Any) -> int:
+    def _agreed_remap(self, proposal: int, apply: Any, undo: Any) -> int:
         """The controller's pattern: agree on min(proposal), apply it everywhere, undo unless all ok."""
-        round_id = self.next_round()
-        common = self.controller.agree_min(round_id, proposal)
+        round_id, common = self._agree_min(proposal) if self.controller.world_size > 1 else (0, proposal)
         ok, applied = True, False
         if common > 0:
             try:
@@ -161,58 +121,299 @@ class DecisionMaker:
             except Exception:  # the transaction left this rank as before; the vote tells the others
                 logger.exception("vamp: remap round %d failed on this rank; no rank keeps it", round_id)
                 ok = False
-        if not self.controller.all_ok(round_id, ok):
+        if self.controller.world_size > 1 and not self.controller.all_ok(round_id, ok):
             if applied:
                 undo()
             return 0
-        return common
+        return common if ok else 0
 
-    # --- restore when pressure stays low (the paper leaves this out) -------------------------
+    # --- inputs ------------------------------------------------------------------------------------
+    def refresh_view(self) -> None:
+        """Agree on the exact gain of every number of groups (after start-up and every remap).
+
+        Ranks with equal geometry compute equal gains; a fingerprint round checks that. If they
+        differ, only "offload all headroom" is offered, at the agreed minimum of its gain."""
+        headroom = self.memory.headroom_groups()
+        local = tuple(self.memory.tokens_for(n) for n in range(1, headroom + 1))
+        fingerprint = zlib.crc32(repr((headroom, local)).encode()) & 0x7FFFFFFF
+        if self.controller.world_size > 1:
+            round_id, lowest = self._agree_min(fingerprint)
+            if not self.controller.all_ok(round_id, lowest == fingerprint):
+                groups = self._agree_value(headroom)
+                total = self._agree_value(self.memory.tokens_for(groups) if groups else 0)
+                logger.warning("vamp: TP ranks differ in KV gain per expert group; offering only %d groups "
+                               "at once (%d tokens)", groups, total)
+                self.view = OffloadView(groups, (0,) * (groups - 1) + (total,) if groups else ())
+                return
+        self.view = OffloadView(headroom, local)
+
+    def offer(self) -> OffloadView:
+        """The headroom plans and admission may use now (none for a while after a failed offload)."""
+        return NO_HEADROOM if self.runtime.step < self.offload_blocked_until_step else self.view
+
+    def coefficients(self) -> Coefficients:
+        """Measured where measured; on several ranks the agreed minimum, re-agreed every
+        COEFFICIENT_AGREE_STEPS steps (timings differ by rank, decisions must not)."""
+        if not self.config.calibrate:
+            return self.base_coefficients
+        measured = self.calibrator.apply(self.base_coefficients, self.top_k, self.memory.layout.local_experts)
+        if self.controller.world_size == 1:
+            return measured
+        step = self.runtime.step
+        if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:
+            ns = {name: self._agree_value(int(getattr(measured, name) * 1e9))
+                  for name in ("t_prefill_s", "c_reload_s", "t_queue_s")}
+            self._agreed = dataclasses.replace(measured, **{name: v / 1e9 for name, v in ns.items()})
+            self._agreed = dataclasses.replace(self._agreed, t_prefill_s=max(self._agreed.t_prefill_s, 1e-9))
+            self._agreed_at_step = step
+        return self._agreed
+
+    def snapshot(self, gap_tokens: int, site: str, batch: Any, tree_cache: Any, coeffs: Coefficients,
+                 free_tokens: int, with_evictable: bool = True) -> Snapshot:
+        """The planner's input; it carries the coefficients in use (measured or configured), so a
+        logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
+        from sglang.srt.environ import envs
+
+        from vamp_sglang.integration import radix
+
+        scheduler = self.runtime.scheduler
+        # w of Eq. 3: the smallest remaining decode budget among the RUNNING requests (section V);
+        # with nothing running yet, the batch being admitted is what will decode next.
+        running = list(scheduler.running_batch.reqs) or (list(batch.reqs) if batch is not None else [])
+        budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in running]
+        victims = self._preempt_candidates(list(batch.reqs), allocator_page(tree_cache)) \
+            if site == "decode" and batch is not None else []
+        buffer_tokens = int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
+        evictable = radix.eviction_candidates(tree_cache, gap_tokens, free_tokens, len(victims) + 1,
+                                              buffer_tokens) if with_evictable else []
+        view = self.offer()
+        return Snapshot(
+            site=site,
+            gap_tokens=gap_tokens,
+            free_tokens=free_tokens,
+            evictable=tuple(evictable),
+            offload=OffloadState(
+                headroom_groups=view.headroom_groups,
+                tokens_by_groups=view.tokens_by_groups,
+                shards_per_group=self.memory.layout.group_experts if view.headroom_groups else 0,
+                local_experts=self.memory.layout.local_experts,
+                top_k=self.top_k,
+                decode_budget_min=max(1, min(budgets, default=1)),
+            ),
+            preempt=tuple(victims),
+            retract_buffer_tokens=buffer_tokens,
+            observed_hit_rate=self.runtime.ledger.hit_rate,
+            coefficients=coeffs.as_overrides(),
+        )
+
+    @staticmethod
+    def _preempt_candidates(running: list[Any], page_size: int) -> list[PreemptCandidate]:
+        """Victims in SGLang's retraction order (it always keeps one). A retracted request frees its
+        rows beyond the cache-protected prefix at once (its prompt nodes are only unlocked) and
+        re-prefills exactly those when it returns."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        keep_order = ScheduleBatch._get_decode_retraction_order(running)
+        victims = [running[i] for i in reversed(keep_order[1:])]
+        out = []
+        for r in victims:
+            freed = max(int(r.owned_kv_len()) - int(r.kv.cache_protected_len), 0)
+            out.append(PreemptCandidate(partial_tokens=freed, tokens=freed,
+                                        decode_tokens=page_size if r.kv.kv_committed_len % page_size == 0 else 0))
+        return out
+
+    # --- the decision ------------------------------------------------------------------------------
+    def on_shortfall(self, original: Any, allocator: Any, tree_cache: Any, num_tokens: int) -> Any:
+        site, batch = _site.get()
+        if site == "retract" or tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return original(allocator, tree_cache, num_tokens)
+        need = num_tokens
+        if site == "decode" and batch is not None and allocator.page_size > 1:
+            # prepare_for_decode over-asks (a page per request); plan only for the pages it needs
+            need = min(num_tokens, int(batch.new_tokens_required_next_decode()))
+        free = int(allocator.available_size())
+        if need - free <= 0:
+            return original(allocator, tree_cache, num_tokens)
+        self.decide(site, need - free, free, batch, tree_cache)
+        if self._last_action == "preempt":
+            return None  # leave the gap: SGLang's retract_decode preempts, as priced
+        return original(allocator, tree_cache, num_tokens)
+
+    def decide(self, site: str, gap: int, free: int, batch: Any, tree_cache: Any,
+               log_site: str | None = None, with_evictable: bool = True) -> int:
+        """Plan one shortfall and carry out its offload part; returns the tokens offloading added.
+        Any error in our code leaves the shortfall to SGLang's own eviction."""
+        start = time.perf_counter()
+        snapshot = chosen = None
+        try:
+            snapshot = self.snapshot(gap, site, batch, tree_cache, self.coefficients(), free, with_evictable)
+            chosen = plan(snapshot, self.base_coefficients, self.config.policy)
+        except Exception as e:  # noqa: BLE001 - a decision error must never reach SGLang's allocator
+            self._decision_error(e, snapshot)
+        decide_s = time.perf_counter() - start
+        self._last_action = chosen.action if chosen is not None else "error"
+        groups = chosen.groups if chosen is not None else 0
+        added = self.offload(groups)
+        if chosen is None:
+            return added
+        # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined
+        self.runtime.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
+        if groups and not added:
+            self.counts["offload_failures"] += 1
+        if site == "decode" and added >= gap > sum(b.tokens for b in snapshot.evictable):
+            self.runtime.preemptions_avoided += 1  # offload covered what eviction could not
+        self.log.record(step=self.runtime.step, site=log_site or site, policy=self.config.policy,
+                        snapshot=snapshot, plan=chosen, decide_s=decide_s,
+                        outcome={"tokens_added": added, "pool_tokens": self.memory.pool_tokens})
+        if added:
+            self.runtime.publish_metrics()
+        return added
+
+    def _decision_error(self, error: Exception, snapshot: Snapshot | None) -> None:
+        self.counts["errors"] += 1
+        kind = type(error).__name__
+        if kind not in self._logged_errors:  # once per kind: a broken input must not flood the log
+            self._logged_errors.add(kind)
+            logger.exception("vamp: decision failed (%s); SGLang's own eviction covers this shortfall. "
+                             "snapshot=%s", kind, None if snapshot is None else snapshot.to_json())
+
+    def offload(self, groups: int) -> int:
+        """Offload `groups` per eligible layer on every rank, or on none. Returns tokens added.
+
+        On several ranks the groups are agreed first, in a round every shortfall runs whatever its
+        plan (a rank that planned no offload, or failed to plan, proposes 0), so ranks that somehow
+        planned differently still remap alike and keep their rounds in step."""
+        if self.controller.world_size > 1:
+            groups = self._agree_value(groups)
+        if groups == 0:
+            return 0
+        added = self._agreed_remap(self.memory.tokens_for(groups),
+                                   lambda tokens: self.memory.offload(groups, tokens),
+                                   lambda: self.memory.restore(groups))
+        if added:
+            self.refresh_view()
+        else:  # agreed on every rank (the vote), so the back-off is replicated
+            self.offload_blocked_until_step = self.runtime.step + OFFLOAD_RETRY_STEPS
+        return added
+
+    # --- admission ---------------------------------------------------------------------------------
+    def admission_headroom_tokens(self) -> int:
+        return self.offer().headroom_tokens
+
+    def grow_for_admission(self, short_tokens: int) -> bool:
+        """A request fits only with offload headroom: offload now, before it is admitted. False
+        (the request keeps waiting, untouched) if the offload did not happen."""
+        allocator = self.runtime.scheduler.token_to_kv_pool_allocator
+        added = self.decide("prefill", short_tokens, int(allocator.available_size()), None,
+                            self.runtime.scheduler.tree_cache, log_site="admission", with_evictable=False)
+        if added >= short_tokens:
+            self.counts["admission_offloads"] += 1
+            return True
+        self.counts["admission_refusals"] += 1
+        return False
+
+    # --- calibration inputs ------------------------------------------------------------------------
+    def after_forward(self) -> None:
+        """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V)."""
+        wait_s = float(self.memory.experts.engine.stats().wait_s)
+        waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
+        shards = self.memory.offloaded_groups * self.memory.layout.group_experts
+        if shards:
+            self.calibrator.observe_staging(shards, waited_s)
+
+    def on_retracted(self, reqs: list[Any]) -> None:
+        now = time.perf_counter()
+        for req in reqs:
+            self._retracted_at[req.rid] = now
+
+    def on_admission(self, req: Any) -> None:
+        """t_queue of Eq. 4: from retraction to re-admission, as section V observes it."""
+        retracted_at = self._retracted_at.pop(req.rid, None)
+        if retracted_at is not None:
+            self.calibrator.observe_queue_delay(time.perf_counter() - retracted_at)
+
+    # --- restore when pressure stays low (the paper leaves this out) -------------------------------
     def maybe_restore(self, idle: bool = False) -> None:
-        """Give expert memory back once the pool has stayed calm long enough.
-
-        Busy: calm means that even after giving one step back, a quarter of the start-up pool
-        would stay free, for `--vamp-restore-after-steps` scheduler steps. Idle (no request at
-        all; SGLang polls about once a second): after IDLE_RESTORE_POLLS polls the experts come
-        back step by step, the cheapest cached prefixes (by C_c) evicted only as far as the
-        smaller pool needs, the rest moved off the tail (compaction) so the cache stays warm.
-        """
+        """Busy: called once per scheduler step. Idle: once per fully idle poll; the idle time is
+        wall clock, checked at polls 1, 2, 4, ... of an idle period (ranks poll in lockstep, so the
+        checks, and their agreement rounds, happen at the same polls everywhere)."""
         if not self.config.restore_after_steps or self.memory.offloaded_groups == 0:
-            self.calm_steps = 0
+            self.calm_steps, self.idle_since = 0, None
             return
         scheduler = self.runtime.scheduler
         allocator = scheduler.token_to_kv_pool_allocator
         groups = min(self.config.expand_groups, self.memory.offloaded_groups)
         keep_tokens = self.memory.size_after_restore(groups)
-        step_tokens = self.memory.pool_tokens - keep_tokens
-        calm = idle or allocator.available_size() >= step_tokens + self.runtime.baseline_tokens // 4
-        self.calm_steps = self.calm_steps + 1 if calm else 0
-        if self.calm_steps < (min(IDLE_RESTORE_POLLS, self.config.restore_after_steps) if idle
-                              else self.config.restore_after_steps):
-            return
+        free = int(allocator.available_size())
+        idle_s = 0.0
+        if idle:
+            now = time.monotonic()
+            if self.idle_since is None:
+                self.idle_since, self.idle_polls, self.next_idle_check = now, 0, 1
+            self.idle_polls += 1
+            if self.controller.world_size > 1:  # agree on the idle time, at doubling poll counts
+                if self.idle_polls < self.next_idle_check:
+                    return
+                self.next_idle_check *= 2
+            idle_s = self._agree_value(int((now - self.idle_since) * 1000)) / 1000
+            if idle_s < IDLE_RESTORE_S:
+                return
+        else:
+            self.idle_since = None
+            self.calm_steps = self.calm_steps + 1 if calm(free, self.memory.pool_tokens, keep_tokens,
+                                                        self.runtime.baseline_tokens) else 0
+            if self.calm_steps < self.config.restore_after_steps:
+                return
+        state = RestoreState(
+            idle=idle, idle_s=idle_s, calm_steps=self.calm_steps,
+            restore_after_steps=self.config.restore_after_steps, offloaded_groups=self.memory.offloaded_groups,
+            expand_groups=self.config.expand_groups, pool_tokens=self.memory.pool_tokens,
+            keep_tokens=keep_tokens, used_tokens=self.memory.pool_tokens - free,
+            evictable_tokens=int(scheduler.tree_cache.evictable_size()), baseline_tokens=self.runtime.baseline_tokens,
+            tail_free=self.memory.restorable_groups() >= groups, can_compact=idle and allocator.page_size == 1)
+        chosen = plan_restore(state)
         self.calm_steps = 0  # one attempt per calm period, restored or not
-        if idle and self.memory.restorable_groups() < groups:
-            used = self.memory.pool_tokens - allocator.available_size()
-            if used > keep_tokens:
-                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        proposal = self._agree_value(chosen.groups)  # go ahead only if every rank can
+        if proposal == 0:
+            return
+        self.next_idle_check = 1  # after an attempt, look again at once: one step at a time
+        if chosen.evict_tokens:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-                scheduler.tree_cache.evict(EvictParams(num_tokens=used - keep_tokens))
+            scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens))
+        if chosen.compact:
             compaction.compact_tail(scheduler.tree_cache, allocator, keep_tokens)
         restorable = groups if self.memory.restorable_groups() >= groups else 0
-        if self._agreed(restorable, lambda _: self.memory.restore(groups),
-                        lambda: self.memory.offload(groups, self.memory.tokens_for(groups))):
+        restored = self._agreed_remap(restorable, lambda _: self.memory.restore(groups),
+                                      lambda: self.memory.offload(groups, self.memory.tokens_for(groups)))
+        self.log.record_restore(step=self.runtime.step, state=state, plan=chosen, restored_groups=groups
+                                if restored else 0, pool_tokens=self.memory.pool_tokens)
+        if restored:
             self.runtime.decisions["restore"] += 1
-            self.refresh_headroom()
+            self.refresh_view()
             self.runtime.publish_metrics()
+        else:
+            self.counts["restore_failures"] += 1
 
     def stats(self) -> dict[str, Any]:
-        c = self.coefficients() if self.controller.world_size == 1 else self.base_coefficients
+        c = self.coefficients() if self.controller.world_size == 1 else (self._agreed or self.base_coefficients)
         return {
             "recent_decisions": self.log.recent(),
             "coefficients": {**c.as_overrides(), "calibrated": self.config.calibrate},
             "calibration": self.calibrator.stats(),
-            "admission_headroom_tokens": self.headroom_tokens,
+            "admission_headroom_tokens": self.admission_headroom_tokens(),
+            "decision_errors": self.counts["errors"],
+            "failures": {"offload": self.counts["offload_failures"], "restore": self.counts["restore_failures"],
+                         "admission_refusals": self.counts["admission_refusals"],
+                         "faults_injected": dict(self.faults.fired)},
+            "admission_offloads": self.counts["admission_offloads"],
         }
+
+    _last_action = "none"
+
+
+def allocator_page(tree_cache: Any) -> int:
+    return int(tree_cache.token_to_kv_pool_allocator.page_size)
 
 
 def decision_log_path(path: str | None, tp_rank: int) -> str | None:
@@ -222,7 +423,7 @@ def decision_log_path(path: str | None, tp_rank: int) -> str | None:
 
 def maker() -> DecisionMaker | None:
     runtime = current()
-    return getattr(runtime, "decision_maker", None)
+    return runtime.decision_maker if runtime is not None else None
 
 
 # --- hooks ---------------------------------------------------------------------------------------
@@ -245,21 +446,52 @@ def _at_site(name: str):
     return around
 
 
-def _around_available_and_evictable(original: Any, budget: Any) -> int:
+_retract_site = _at_site("retract")
+
+
+def _around_retract_decode(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    result = _retract_site(original, batch, *args, **kwargs)
     decider = maker()
-    return original(budget) + (decider.headroom_tokens if decider is not None else 0)
+    if decider is not None:
+        decider.on_retracted(result[0])
+    return result
+
+
+def _around_has_capacity(original: Any, budget: Any) -> bool:
+    """Admission may start while only offload headroom has room; `check_prefill` makes it real."""
+    if original(budget):
+        return True
+    decider = maker()
+    headroom = decider.admission_headroom_tokens() if decider is not None else 0
+    return headroom > 0 and min(budget.remaining_total, budget.remaining_current) + headroom > 0
+
+
+def _around_check_prefill(original: Any, budget: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request that fits only with offload headroom triggers the offload before it is admitted."""
+    verdict = original(budget, *args, **kwargs)
+    decider = maker()
+    if verdict[0] or decider is None:
+        return verdict
+    short = int(kwargs["total_tokens"]) - int(budget.remaining_total) + 1
+    if not 0 < short <= decider.admission_headroom_tokens():
+        return verdict
+    return original(budget, *args, **kwargs) if decider.grow_for_admission(short) else verdict
 
 
 def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     decider = maker()
-    if decider is None or not batch.forward_mode.is_extend() or not batch.extend_num_tokens:
-        result = original(scheduler, batch, *args, **kwargs)
+    if decider is None:
+        return original(scheduler, batch, *args, **kwargs)
+    if batch.forward_mode.is_extend() and batch.extend_num_tokens:
+        # on a GPU the forward is only launched here: the timer reads device events later
+        with decider.prefill_timer.measure(int(batch.extend_num_tokens), getattr(scheduler, "forward_stream", None)):
+            result = original(scheduler, batch, *args, **kwargs)
     else:
-        start = time.perf_counter()
         result = original(scheduler, batch, *args, **kwargs)
-        decider.calibrator.observe_prefill(int(batch.extend_num_tokens), time.perf_counter() - start)
-    if decider is not None:
-        decider.maybe_restore()
+    for tokens, seconds in decider.prefill_timer.completed():
+        decider.calibrator.observe_prefill(tokens, seconds)
+    decider.after_forward()
+    decider.maybe_restore()
     return result
 
 
@@ -270,6 +502,7 @@ def _before_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_BUDGET = "sglang.srt.mem_cache.prefill_budget.PrefillBudget"
 HOOKS = [
     Hook("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.evict_to_free_tokens", "around",
          _around_evict_to_free, "the decision point: every KV shortfall, with its exact gap, goes through here"),
@@ -278,14 +511,16 @@ HOOKS = [
     Hook(f"{_BATCH}.check_decode_mem", "around", _at_site("decode"),
          "mark the decode capacity check, where a plan may leave the gap so SGLang retracts"),
     Hook(f"{_BATCH}.prepare_for_decode", "around", _at_site("decode"), "mark decode allocations"),
-    Hook(f"{_BATCH}.retract_decode", "around", _at_site("retract"),
-         "inside retraction the decision is made: plain eviction only"),
-    Hook("sglang.srt.mem_cache.prefill_budget.PrefillBudget._available_and_evictable", "around",
-         _around_available_and_evictable, "admission sees the rank-agreed headroom offloading can add"),
+    Hook(f"{_BATCH}.retract_decode", "around", _around_retract_decode,
+         "inside retraction the decision is made: plain eviction only; note when requests were retracted"),
+    Hook(f"{_BUDGET}.has_capacity", "around", _around_has_capacity,
+         "admission may proceed on offload headroom alone"),
+    Hook(f"{_BUDGET}.check_prefill", "around", _around_check_prefill,
+         "a request that fits only with offload headroom gets the offload before it is admitted"),
     Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", "around", _around_run_batch,
-         "measure t_prefill from prefill batches; restore experts when pressure stays low"),
+         "measure t_prefill and the staging cost; restore experts when pressure stays low"),
     Hook("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", _before_on_idle,
-         "restore experts once the server has been idle long enough"),
+         "restore experts once the server has been idle long enough (wall clock)"),
 ]
 
 
@@ -295,12 +530,12 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
 
     from vamp_sglang.controller import RankController
 
-    memory = getattr(runtime, "expert_memory", None)
+    memory = runtime.expert_memory
     if memory is None:
         return
     parallel = get_parallel()
     controller = RankController.from_env(parallel.tp_rank, parallel.tp_size)
     hf_config = scheduler.model_config.hf_config
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or getattr(hf_config, "top_k", 2))
-    runtime.decision_maker = DecisionMaker(runtime, memory, controller, top_k)
+    runtime.decision_maker = DecisionMaker(runtime, memory, controller, top_k, runtime.faults)
     runtime.extensions.append(runtime.decision_maker)

@@ -16,6 +16,7 @@ With `--vamp-max-offload-ratio 0` none of this happens and every hook passes str
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from vamp_sglang.config import VampConfig
+from vamp_sglang.faults import NONE, Faults
 from vamp_sglang.integration import kv_pool, moe_staging
 from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.integration.kv_pool import GrowablePool
@@ -48,6 +50,7 @@ class ExpertMemory:
         self._publish, self._quiesce = publish, quiesce
         self.layout = experts.layout
         self._target_tokens = pool.pool.size  # the SGLang pool size the running transaction publishes
+        self.faults: Faults = NONE  # VAMP_SGLANG_FAULT=remap:P makes the transaction fail here
         self.remap_s = 0.0
         self.size_snapshots: dict[str, int] = {}
         self.repartitioner = Repartitioner(self.layout, experts.stores, pool.kv, self._on_pool_resize,
@@ -108,6 +111,7 @@ class ExpertMemory:
                         "max_groups": rep.bound_groups, "offload_ratio": rep.offload_ratio,
                         "reclaimed_bytes": rep.reclaimed_bytes, "spare_bytes": rep.spare_bytes,
                         "remap_s": round(self.remap_s, 6), "page_backend": self.experts.backend.name,
+                        "live_pages": dataclasses.asdict(self.experts.backend.live_counts()),
                         "remap_gib_per_s": round(rep.remap_gib_per_s, 3),
                         "graph_breaks": moe_staging.staging_breaks(self.experts)},
             "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups),
@@ -132,6 +136,7 @@ class ExpertMemory:
 
     def _on_pool_resize(self, old_rows: int, new_rows: int) -> None:
         """The transaction's last step: SGLang sees the new size (raising here rolls the remap back)."""
+        self.faults.check("remap", "the pool resize of a remap transaction")
         new, old = self._target_tokens, self.pool_tokens
         if new > self.pool.size_for_rows(new_rows):
             raise KVShrinkError(f"pool size {new} does not fit the {new_rows} mapped rows")
@@ -232,6 +237,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     memory = ExpertMemory(_process.experts, _process.pool, scheduler.token_to_kv_pool_allocator,
                           publish=lambda: kv_pool.publish_pool_size(scheduler),
                           quiesce=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_op)
+    memory.faults = runtime.faults
     _process.memory = memory
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
     scheduler.vamp_expert_memory = runtime.expert_memory = memory

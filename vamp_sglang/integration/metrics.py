@@ -25,6 +25,13 @@ GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vamp:staged_bytes_total", "Bytes copied into the staging buffers", ("staging", "bytes")),
     ("vamp:remap_seconds_total", "Time spent remapping pages", ("experts", "remap_s")),
     ("vamp:preemptions_avoided_total", "Decode shortfalls covered without preemption", ("preemptions_avoided",)),
+    ("vamp:decision_errors_total", "Shortfalls our decision code failed on (SGLang's eviction covered them)",
+     ("decision_errors",)),
+    ("vamp:offload_failures_total", "Planned offloads that did not happen (remap failed or a rank was lost)",
+     ("failures", "offload")),
+    ("vamp:restore_failures_total", "Restore attempts that did not happen", ("failures", "restore")),
+    ("vamp:admission_refusals_total", "Admissions that waited because the offload they needed failed",
+     ("failures", "admission_refusals")),
 ]
 
 

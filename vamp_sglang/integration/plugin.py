@@ -22,9 +22,9 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import decisions, expert_memory, radix, runtime
+    from vamp_sglang.integration import decisions, expert_memory, runtime
 
-    return [*runtime.HOOKS, *radix.HOOKS, *expert_memory.HOOKS, *decisions.HOOKS]
+    return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory.HOOKS, *decisions.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
@@ -39,12 +39,31 @@ def verify_hooks() -> None:
     verify_applied(all_hooks())
 
 
+def _after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """The one place a scheduler is wired: its runtime, then each set-up step in order."""
+    from sglang.srt.runtime_context import get_observability, get_parallel
+
+    from vamp_sglang.config import VampConfig
+    from vamp_sglang.integration import runtime
+
+    config = VampConfig.from_env()
+    assert config is not None, "the plugin registers this hook only when the launcher enabled VAMP"
+    verify_hooks()
+    state = runtime.attach(scheduler, config, get_parallel().tp_rank, get_observability().enable_metrics)
+    for setup in scheduler_setups():
+        setup(scheduler, state)
+
+
+_SCHEDULER_INIT = Hook(f"{_SCHEDULER_MODULE}.Scheduler.__init__", "after", _after_scheduler_init,
+                       "attach the per-process VAMP runtime once the pool, tree and model exist")
+
+
 def register() -> None:
     if not plugin_enabled():
         return
     from vamp_sglang.integration import radix
 
-    radix.install([])  # registry names: the HTTP process parses --radix-eviction-policy vamp too
+    radix.install()  # registry names: the HTTP process parses --radix-eviction-policy vamp too
     if _SCHEDULER_MODULE in sys.modules:
         register_all(all_hooks())
     if _HTTP_MODULE in sys.modules:

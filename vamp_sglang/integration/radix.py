@@ -9,12 +9,17 @@ paging. Registration goes through SGLang's own registries:
     --radix-cache-backend vamp      VampUnifiedRadixCache over VampTreeCore (stats, estimates)
     --radix-eviction-policy vamp    evict lowest p_eff first (Eq. 1, cache/ordering.py); needs the backend
 
-Hits are counted by an AFTER hook on `PrefillAdder._commit_prefill_admission`, walking the locked
-`req.last_node` to the root (never at match: waiting requests are re-matched every round). We do not
-reuse SGLang's insert-time `hit_count`: it drives HiCache's write-through threshold (changing it
-would change HiCache), write-back mode skips it, and only admission sees, in one place, the matched
-prefix AND the prompt length, which give the request's hit rate: the tree-wide rate of Eq. 1 and
-the prior of the nodes this request then writes (`checkpoint_into_tree`, see `NodeStats.prior`).
+Hits are counted at admission (the runtime's hook on `PrefillAdder._commit_prefill_admission` calls
+`record_admission`), walking the locked `req.last_node` to the root (never at match: waiting requests
+are re-matched every round). We do not reuse SGLang's insert-time `hit_count`: it drives HiCache's
+write-through threshold (changing it would change HiCache), write-back mode skips it, and only
+admission sees, in one place, the matched prefix AND the prompt length, which give the request's
+hit rate: the tree-wide rate of Eq. 1 (the runtime's one `AdmissionLedger`, which the tree reads)
+and the prior of the nodes this request then writes (`checkpoint_into_tree`, `NodeStats.prior`).
+
+Every eviction prices each leaf once: priorities are memoised per node for the current step and
+tree-wide hit rate (a node's own change drops its entry), so the planner's read-only walk and
+SGLang's eviction heap that follows it share one computation.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from vamp_sglang.cache import (
     pow2_histogram,
 )
 from vamp_sglang.config import VampConfig
-from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.policy.costs import Coefficients
+from vamp_sglang.policy.planner import eviction_need_tokens
+from vamp_sglang.policy.snapshot import EvictableBlock
 
 NAME = "vamp"  # the backend, tree-core and eviction-policy name
 _FULL = ComponentType.FULL
@@ -70,7 +76,9 @@ class VampTreeCore(UnifiedTreeCore):
         # set before super().__init__: reset() already creates the root through _new_node
         self.vamp_order = order
         self.vamp_step_fn: Callable[[], int] = lambda: 0
-        self.vamp_ledger = AdmissionLedger()
+        self.vamp_ledger = AdmissionLedger()  # replaced by the runtime's ledger once it exists
+        self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
+        self.vamp_priority_key: tuple[int, float] | None = None  # (step, tree-wide hit rate)
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         super().__init__(params, components)
@@ -103,13 +111,16 @@ class VampTreeCore(UnifiedTreeCore):
     def _touch_node(self, node: UnifiedTreeNode) -> None:
         super()._touch_node(node)  # insert walks touch every node they write through
         node.vamp_stats.touch(self.now_steps())
+        self.vamp_priorities.pop(node.id, None)
 
     def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
-        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now)."""
+        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now);
+        `first`: its first admission (a retracted request's return or a later chunk is no new hit)."""
         now = self.now_steps()
         node = self.node_by_id(node_id)
         while node is not None and node is not self.root_node:
             node.vamp_stats.admit(now, count_hit=first)
+            self.vamp_priorities.pop(node.id, None)
             node = node.parent
         if first:
             self.vamp_ledger.record(hit_tokens, requested_tokens)
@@ -119,7 +130,19 @@ class VampTreeCore(UnifiedTreeCore):
         return self.components_by_type[_FULL].reclaimable_value_len(node)
 
     def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
-        return self.vamp_order.priority(node.vamp_stats, self.now_steps(), self.vamp_ledger.hit_rate)
+        key = (self.now_steps(), self.vamp_ledger.hit_rate)
+        if key != self.vamp_priority_key:
+            self.vamp_priorities.clear()
+            self.vamp_priority_key = key
+        priority = self.vamp_priorities.get(node.id)
+        if priority is None:
+            priority = self.vamp_priorities[node.id] = self.vamp_order.priority(node.vamp_stats, *key)
+        return priority
+
+    def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
+        """The r_hit prior this node is priced with: its writer's rate, else the tree-wide rate."""
+        prior = node.vamp_stats.prior
+        return self.vamp_ledger.hit_rate if prior is None else prior
 
     def node_cost_s(self, node: UnifiedTreeNode) -> float:
         return self.vamp_order.cost_s(self.node_tokens(node), node.vamp_stats, self.now_steps(),
@@ -185,18 +208,25 @@ def bind_step_source(tree_cache: Any, step_fn: Callable[[], int]) -> None:
 
 def set_coefficients(tree_cache: Any, coefficients: Coefficients) -> None:
     """Re-price the tree (e.g. after calibrating t_prefill online); the next eviction uses them."""
-    tree_core_of(tree_cache).vamp_order = CostOrder(coefficients)
-
-
-def eviction_candidates(tree_cache: Any, max_nodes: int) -> list[dict[str, int]]:
-    """The first `max_nodes` nodes in the order the tree would evict them, for a planner snapshot."""
     core = tree_core_of(tree_cache)
-    now, out = core.now_steps(), []
+    core.vamp_order = CostOrder(coefficients)
+    core.vamp_priority_key = None
+
+
+def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, running_requests: int,
+                        retract_buffer_tokens: int) -> list[EvictableBlock]:
+    """Nodes in the order the tree would evict them, taken lazily until they cover the most any plan
+    may ask the tree for (`eviction_need_tokens`), each with the prior the tree prices it with."""
+    core = tree_core_of(tree_cache)
+    need = eviction_need_tokens(gap_tokens, free_tokens, running_requests, retract_buffer_tokens)
+    now, out, covered = core.now_steps(), [], 0
     for node in eviction_order(_DeviceTreeView(core)):
-        if len(out) >= max_nodes:
+        if covered >= need:
             break
-        out.append({"tokens": core.node_tokens(node), "hits": node.vamp_stats.hits,
-                    "age_steps": node.vamp_stats.age_steps(now)})
+        tokens = core.node_tokens(node)
+        covered += tokens
+        out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
+                                  core.prior_hit_rate(node)))
     return out
 
 
@@ -243,8 +273,18 @@ class RadixStatsExtension:
         return {"radix": radix_stats(self.tree_cache)}
 
 
+def record_admission(tree_cache: Any, req: Any, hit_tokens: int, requested_tokens: int, first: bool) -> None:
+    """Node hits, recency and the hit-rate ledger for one admitted request; the nodes it writes
+    inherit its hit rate."""
+    core = tree_core_of(tree_cache)
+    core.record_admission(req.last_node, hit_tokens, requested_tokens, first)
+    if first and requested_tokens:
+        req.vamp_prior = hit_tokens / requested_tokens
+
+
 def setup_scheduler(scheduler: Any, runtime: Any) -> None:
-    """Per scheduler process, once the tree exists: step source, stats section, start-up checks."""
+    """Per scheduler process, once the tree exists: step source, the runtime's one hit-rate ledger,
+    stats section, start-up checks."""
     from sglang.srt.runtime_context import get_memory
 
     tree_cache = scheduler.tree_cache
@@ -254,25 +294,12 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
                                f"(this scheduler built {type(tree_cache).__name__})")
         return
     bind_step_source(tree_cache, lambda: scheduler.forward_ct)
+    tree_core_of(tree_cache).vamp_ledger = runtime.ledger
+    runtime.vamp_tree = tree_cache
     runtime.extensions.append(RadixStatsExtension(tree_cache))
 
 
 # --- registration ----------------------------------------------------------------------------------
-def _after_prefill_admission(result: Any, adder: Any, req: Any, admission: Any, *args: Any, **kw: Any) -> None:
-    core = getattr(adder.tree_cache, "tree_core", None)
-    if not isinstance(core, VampTreeCore):
-        return
-    hit_tokens, requested_tokens = int(admission.prefix_len), len(req.full_untruncated_fill_ids)
-    first = not req.retracted_stain
-    core.record_admission(req.last_node, hit_tokens, requested_tokens, first)
-    if first and requested_tokens:
-        req.vamp_prior = hit_tokens / requested_tokens
-
-
-HOOKS = [
-    Hook("sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission", "after",
-         _after_prefill_admission, "radix node hits and recency, once per admitted request"),
-]
 
 
 def _build_cache(ctx: Any) -> VampUnifiedRadixCache:
@@ -282,11 +309,11 @@ def _build_cache(ctx: Any) -> VampUnifiedRadixCache:
     return create_unified_radix_cache(ctx, cache_class=VampUnifiedRadixCache)
 
 
-def install(hooks: list[Hook]) -> None:
-    """Register backend, tree core and eviction policy with SGLang (idempotent) and append our hooks.
+def install() -> None:
+    """Register backend, tree core and eviction policy with SGLang (idempotent).
 
     Runs in every SGLang process (the HTTP process needs the policy name to parse its flags; the
-    scheduler needs the factories). `hooks` is the plugin's list it hands to `register_all`.
+    scheduler needs the factories). Admissions reach the tree through the runtime's hook.
     """
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
     from sglang.srt.mem_cache import utils as mem_cache_utils
@@ -304,4 +331,3 @@ def install(hooks: list[Hook]) -> None:
         register_tree_core_backend(NAME, lambda params, components: VampTreeCore(params, components, order))
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, _build_cache)
-    hooks.extend(h for h in HOOKS if h not in hooks)

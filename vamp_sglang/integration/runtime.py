@@ -1,18 +1,26 @@
-"""The VAMP state of one SGLang scheduler process, and the hooks that create and read it.
+"""The VAMP state of one SGLang scheduler process, and the hooks that read it.
 
-SGLang runs one scheduler process per TP rank; an AFTER hook on `Scheduler.__init__` attaches a
-`VampRuntime` to it. Everything VAMP reports comes from here, in the process that owns the pool,
-the tree and the experts, never from the launcher's copies of the settings.
+SGLang runs one scheduler process per TP rank; `plugin.py` attaches a `VampRuntime` to each (after
+`Scheduler.__init__`) and wires the parts below into it. Everything VAMP reports comes from here,
+in the process that owns the pool, the tree and the experts, never from the launcher's copies of
+the settings.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vamp_sglang.config import VampConfig
+from vamp_sglang.cache import AdmissionLedger
+from vamp_sglang.config import VampConfig, fault_spec
+from vamp_sglang.faults import Faults
 from vamp_sglang.integration.hooks import Hook
+
+if TYPE_CHECKING:
+    from vamp_sglang.integration.decisions import DecisionMaker
+    from vamp_sglang.integration.expert_memory import ExpertMemory
+    from vamp_sglang.integration.metrics import VampMetrics
 
 ACTIONS = ("offload", "evict", "preempt", "combined", "restore")
 
@@ -32,11 +40,15 @@ class VampRuntime:
         self.baseline_tokens = int(scheduler.max_total_num_tokens)
         self.decisions: Counter[str] = Counter({action: 0 for action in ACTIONS})
         self.preemptions_avoided = 0
-        self.prompt_tokens = 0
-        self.cached_prompt_tokens = 0
+        self.ledger = AdmissionLedger()  # the one observed prefix-hit rate (Eq. 1); our tree reads it too
         self.started_at = time.monotonic()
         self.extensions: list[Any] = []  # objects with .stats() -> dict merged into the snapshot
-        self.metrics = None
+        # Set by the set-up steps plugin.py runs, when they apply to this process:
+        self.vamp_tree: Any | None = None  # the tree cache, when it is ours (--radix-cache-backend vamp)
+        self.expert_memory: ExpertMemory | None = None  # VAMP on only
+        self.decision_maker: DecisionMaker | None = None  # VAMP on only
+        self.metrics: VampMetrics | None = None
+        self.faults = Faults.parse(fault_spec(), seed=None)  # VAMP_SGLANG_FAULT (tests and soak only)
         if enable_metrics:
             from vamp_sglang.integration.metrics import VampMetrics
 
@@ -54,10 +66,19 @@ class VampRuntime:
             "free_tokens": int(allocator.available_size()),
         }
 
-    def record_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count a request once, at its first admission (later chunks are not cache hits)."""
-        self.prompt_tokens += prompt_tokens
-        self.cached_prompt_tokens += cached_tokens
+    def on_admission(self, req: Any, hit_tokens: int, first: bool) -> None:
+        """One admitted request: the hit rate counts it once, at its first admission (a later chunk
+        or a retracted request's return is no new hit); our tree counts node hits the same way."""
+        requested_tokens = len(req.full_untruncated_fill_ids)
+        hit_tokens = min(hit_tokens, requested_tokens)
+        if self.vamp_tree is not None:  # our tree records into this same ledger
+            from vamp_sglang.integration import radix
+
+            radix.record_admission(self.vamp_tree, req, hit_tokens, requested_tokens, first)
+        elif first:
+            self.ledger.record(hit_tokens, requested_tokens)
+        if self.decision_maker is not None:
+            self.decision_maker.on_admission(req)
 
     def radix_stats(self) -> dict[str, Any]:
         """Sizes any SGLang tree reports; our tree adds its own section through an extension."""
@@ -67,9 +88,9 @@ class VampRuntime:
             "cached_tokens": evictable + protected,
             "evictable_tokens": evictable,
             "protected_tokens": protected,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prompt_tokens": self.ledger.requested_tokens,
+            "cached_prompt_tokens": self.ledger.hit_tokens,
+            "hit_rate": self.ledger.hit_rate,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -112,20 +133,11 @@ def current() -> VampRuntime | None:
 
 
 # --- hooks ---------------------------------------------------------------------------------------
-def _after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang.srt.runtime_context import get_observability, get_parallel
-
-    from vamp_sglang.integration import plugin
-
-    config = VampConfig.from_env()
-    assert config is not None, "the plugin registers this hook only when the launcher enabled VAMP"
-    plugin.verify_hooks()
+def attach(scheduler: Any, config: VampConfig, tp_rank: int, enable_metrics: bool) -> VampRuntime:
+    """Create this process's runtime (plugin.py calls this once per scheduler)."""
     global _current
-    scheduler.vamp_runtime = _current = VampRuntime(
-        scheduler, config, get_parallel().tp_rank, get_observability().enable_metrics
-    )
-    for setup in plugin.scheduler_setups():
-        setup(scheduler, scheduler.vamp_runtime)
+    scheduler.vamp_runtime = _current = VampRuntime(scheduler, config, tp_rank, enable_metrics)
+    return _current
 
 
 def _after_run_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -142,19 +154,18 @@ def _after_internal_state(result: Any, controller: Any, *args: Any, **kwargs: An
 
 
 def _after_prefill_admission(result: Any, adder: Any, req: Any, admission: Any, *args: Any, **kw: Any) -> None:
-    if _current is None or getattr(req, "vamp_admitted", False):
+    if _current is None:
         return
+    first = not getattr(req, "vamp_admitted", False)
     req.vamp_admitted = True
-    _current.record_admission(len(req.origin_input_ids), int(admission.prefix_len))
+    _current.on_admission(req, int(admission.prefix_len), first)
 
 
 HOOKS = [
-    Hook(f"{_SCHEDULER}.__init__", "after", _after_scheduler_init,
-         "attach the per-process VAMP runtime once the pool, tree and model exist"),
     Hook(f"{_SCHEDULER}.run_batch", "after", _after_run_batch,
          "publish vamp:* series as steps (forward_ct) advance"),
     Hook(_INTERNAL_STATE, "after", _after_internal_state,
          "answer /vamp/stats from the live scheduler process"),
     Hook("sglang.srt.managers.schedule_policy.PrefillAdder._commit_prefill_admission", "after",
-         _after_prefill_admission, "prefix-cache hit rate: cached / prompt tokens, once per admitted request"),
+         _after_prefill_admission, "prefix-cache hit rate and radix node hits, once per admitted request"),
 ]

@@ -48,8 +48,12 @@ class RestorePlan:
     compact: bool  # move tree-held tail rows below keep_tokens first
     reason: str
 
+    @property
+    def action(self) -> str:
+        return "restore" if self.groups else "none"
+
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        return {"action": self.action, **asdict(self)}
 
 
 def calm(free_tokens: int, pool_tokens: int, keep_tokens: int, baseline_tokens: int) -> bool:

@@ -1,0 +1,251 @@
+"""The decision path on SGLang's own objects, in one process (issue 9: a shortfall never takes the
+server down, and every decision is priced the way SGLang carries it out).
+
+A real `MHATokenToKVPool` over growable buffers, a real allocator, our tree inside SGLang's real
+`UnifiedRadixCache`, real paged experts (`ExpertMemory`) and a real one-rank controller. The
+scheduler around them is a plain namespace holding exactly the fields the decision maker reads
+(the step counter, the running batch); tests/test_server_faults.py runs the real scheduler.
+"""
+
+import time
+from array import array
+from types import SimpleNamespace
+
+import pytest
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.test.unified_allocator_fixtures import setup_allocator_context
+
+from tests.test_integration_memory import sglang_moe, vamp  # noqa: F401 (fixtures)
+from vamp_sglang.config import VampConfig
+from vamp_sglang.controller import RankController
+from vamp_sglang.faults import Faults
+from vamp_sglang.integration import decisions, radix
+from vamp_sglang.integration.runtime import VampRuntime
+
+EVICT = BaseTokenToKVPoolAllocator.evict_to_free_tokens  # SGLang's own (no hooks in this process)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def allocator_context():
+    setup_allocator_context()  # before sglang_moe sets up the one-process parallel groups
+    radix.install()
+
+
+def request(budget, output=0, prompt=10, committed=None, protected=0):
+    kv = SimpleNamespace(kv_committed_len=prompt + output if committed is None else committed,
+                         cache_protected_len=protected)
+    return SimpleNamespace(rid=f"r{budget}-{output}", sampling_params=SimpleNamespace(max_new_tokens=budget + output),
+                           output_ids=[0] * output, origin_input_ids=[0] * prompt, kv=kv,
+                           owned_kv_len=lambda: kv.kv_committed_len)
+
+
+def tree_and_scheduler(alloc, page_size):
+    """Our tree over `alloc`, and the scheduler fields the decision maker reads."""
+    params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(size=8, max_context_len=512,
+                                                                              device="cpu", enable_memory_saver=False),
+                             token_to_kv_pool_allocator=alloc, page_size=page_size,
+                             tree_components=(ComponentType.FULL,), eviction_policy="vamp",
+                             tree_core_backend=radix.NAME)
+    tree = radix.VampUnifiedRadixCache(params)
+    return tree, SimpleNamespace(max_total_num_tokens=alloc.size, forward_ct=0, tree_cache=tree,
+                                 token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=[]))
+
+
+@pytest.fixture
+def maker(vamp, monkeypatch):  # noqa: F811
+    """A DecisionMaker over a real pool (page size 1), tree and expert memory; faults via `.set_faults`."""
+    pool, alloc, memory = vamp.build(1)
+    tree, scheduler = tree_and_scheduler(alloc, page_size=1)
+    runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5, restore_after_steps=20), 0, False)
+    radix.bind_step_source(tree, lambda: scheduler.forward_ct)
+    radix.tree_core_of(tree).vamp_ledger = runtime.ledger
+    runtime.vamp_tree = tree
+    runtime.expert_memory = memory
+    monkeypatch.setattr(decisions, "current", lambda: runtime)
+
+    def make(fault_spec=None):
+        runtime.decision_maker = decisions.DecisionMaker(runtime, memory, RankController(0, 1, None), 2,
+                                                         Faults.parse(fault_spec, seed=0))
+        memory.faults = runtime.decision_maker.faults
+        return runtime.decision_maker
+
+    ns = SimpleNamespace(pool=pool, alloc=alloc, memory=memory, tree=tree, scheduler=scheduler, runtime=runtime,
+                         make=make)
+    yield ns
+    tree.reset()
+
+
+def cache_prompts(ns, count, tokens_each):
+    """`count` distinct cached prompts of `tokens_each` tokens (evictable), one leaf each."""
+    for i in range(count):
+        key = RadixKey(array("q", [10_000 + i] * tokens_each))
+        ns.tree.insert(InsertParams(key=key, value=ns.alloc.alloc(tokens_each)))
+
+
+def test_an_error_in_the_decision_code_falls_back_to_sglangs_eviction(maker, monkeypatch):
+    """Issue 9.2: before, any exception in snapshot or planning escaped through the allocator."""
+    dm = maker.make()
+    cache_prompts(maker, 10, 10)
+    held = maker.alloc.alloc(maker.alloc.available_size())
+    assert held is not None and maker.alloc.available_size() == 0
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the snapshot")
+
+    monkeypatch.setattr(radix, "eviction_candidates", broken)
+    for _ in range(2):
+        need = maker.alloc.available_size() + 25
+        dm.on_shortfall(EVICT, maker.alloc, maker.tree, need)
+        assert maker.alloc.available_size() >= need  # SGLang's own eviction covered the shortfall
+    assert dm.counts["errors"] == 2 and dm.stats()["decision_errors"] == 2
+    assert maker.memory.offloaded_groups == 0
+
+
+def _check_prefill(maker, total_tokens):
+    budget = PrefillBudget(maker.alloc, maker.tree)
+    return decisions._around_check_prefill(
+        PrefillBudget.check_prefill, budget, extend_input_len=total_tokens, total_tokens=total_tokens,
+        max_new_tokens=0, input_tokens=total_tokens, swa_host_hit_length=0, chunk_limit=None)
+
+
+def test_admission_never_promises_headroom_a_failed_offload_cannot_deliver(maker):
+    """Issue 9.1: before, admission counted the headroom as free; a failed offload then left the
+    prefill allocation uncovered and SGLang's "Out of memory" killed the scheduler."""
+    dm = maker.make("remap:1")
+    cache_prompts(maker, 4, 20)
+    free_and_evictable = maker.alloc.available_size() + maker.tree.evictable_size()
+    headroom = dm.admission_headroom_tokens()
+    assert headroom > 60
+    size = maker.alloc.size
+    assert _check_prefill(maker, free_and_evictable + 50) == (False, None)  # waits, untouched
+    assert maker.alloc.size == size and maker.memory.offloaded_groups == 0
+    assert dm.counts["admission_refusals"] == 1 and dm.counts["offload_failures"] == 1
+    assert dm.faults.fired["remap"] == 1
+    assert dm.admission_headroom_tokens() == 0  # backs off: no headroom offered for a while
+    assert _check_prefill(maker, free_and_evictable - 1)[0]  # what really fits is still admitted
+    maker.scheduler.forward_ct += decisions.OFFLOAD_RETRY_STEPS
+    assert dm.admission_headroom_tokens() == headroom
+
+
+def test_admission_that_needs_headroom_offloads_before_the_request_is_admitted(maker):
+    dm = maker.make()
+    cache_prompts(maker, 4, 20)
+    free_and_evictable = maker.alloc.available_size() + maker.tree.evictable_size()
+    size = maker.alloc.size
+    assert _check_prefill(maker, free_and_evictable + 50)[0]
+    assert maker.alloc.size >= size + 50 and maker.memory.offloaded_groups > 0
+    assert dm.counts["admission_offloads"] == 1
+    assert dm.log.recent()[-1]["site"] == "admission"
+
+
+def test_running_batch_sets_w_and_victims_are_priced_as_retraction_frees_them(maker):
+    """Issue 9.4: w of Eq. 3 is the smallest remaining budget of the RUNNING requests, not of the
+    batch being admitted. Issue 9.3: a victim frees its rows beyond the cache-protected prefix."""
+    dm = maker.make()
+    maker.scheduler.running_batch.reqs = [request(5), request(40)]
+    admitted = SimpleNamespace(reqs=[request(100)])
+    snap = dm.snapshot(10, "prefill", admitted, maker.tree, dm.coefficients(), free_tokens=0)
+    assert snap.offload.decode_budget_min == 5
+    running = SimpleNamespace(reqs=[request(5, output=3, prompt=50, protected=40),
+                                    request(9, output=8, prompt=30, protected=30)])
+    snap = dm.snapshot(4, "decode", running, maker.tree, dm.coefficients(), free_tokens=2)
+    # SGLang keeps the request with the most output (8) and retracts the other first
+    assert [(v.tokens, v.partial_tokens, v.decode_tokens) for v in snap.preempt] == [(13, 13, 1)]
+    assert snap.retract_buffer_tokens == 20 and snap.free_tokens == 2
+
+
+def test_paged_decode_plans_only_for_the_pages_it_needs(vamp):  # noqa: F811
+    """Issue 9.7: prepare_for_decode asks for a page per request although only new pages are needed."""
+    _, alloc, memory = vamp.build(16)
+    tree, scheduler = tree_and_scheduler(alloc, page_size=16)
+    runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5), 0, False)
+    runtime.expert_memory = memory
+    dm = decisions.DecisionMaker(runtime, memory, RankController(0, 1, None), 2)
+    held = alloc.alloc(alloc.available_size() - 32)
+    assert held is not None and alloc.available_size() == 32
+    batch = SimpleNamespace(reqs=[request(9)] * 4, new_tokens_required_next_decode=lambda: 16)
+    token = decisions._site.set(("decode", batch))
+    try:
+        dm.on_shortfall(EVICT, alloc, tree, 4 * 16)  # 64 asked, 16 needed, 32 free
+    finally:
+        decisions._site.reset(token)
+    assert dm.log.recent() == [] and memory.offloaded_groups == 0
+    tree.reset()
+
+
+def test_idle_restore_counts_wall_clock_not_polls_and_never_evicts_for_nothing(maker, monkeypatch):
+    """Issue 9.9: without --sleep-on-idle SGLang polls thousands of times a second; counting polls
+    restored (evicting cached prefixes) within milliseconds of every think-time gap."""
+    dm = maker.make()
+    maker.memory.offload(2, maker.memory.tokens_for(2))
+    dm.refresh_view()
+    cache_prompts(maker, 6, 40)  # cached prefixes reach into the tail a restore would drop
+    cached = maker.tree.evictable_size()
+    for _ in range(5000):  # a spinning scheduler: 5,000 idle polls within a fraction of a second
+        dm.maybe_restore(idle=True)
+    assert maker.memory.offloaded_groups == 2 and maker.tree.evictable_size() == cached
+    clock = [time.monotonic() + 11.0]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    dm.maybe_restore(idle=True)
+    assert maker.memory.offloaded_groups < 2  # 11 s of wall-clock idleness: experts come back
+    assert dm.log.recent()[-1]["site"] == "restore"
+
+
+def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatch):
+    """Before, the idle restore evicted first and only then found the tail could not be freed."""
+    dm = maker.make()
+    maker.memory.offload(2, maker.memory.tokens_for(2))
+    dm.refresh_view()
+    cache_prompts(maker, 2, 30)  # the tree holds 60 evictable rows
+    held = maker.alloc.alloc(maker.alloc.available_size())  # a request holds all the rest, tail included
+    assert held is not None
+    cached = maker.tree.evictable_size()
+    clock = [time.monotonic()]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    dm.maybe_restore(idle=True)
+    clock[0] += 60
+    for _ in range(4):
+        dm.maybe_restore(idle=True)
+    assert maker.tree.evictable_size() == cached and maker.memory.offloaded_groups == 2
+
+
+def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree():
+    """VAMP_SGLANG_FAULT=agree-timeout: a rank arrives too late for its round, over real sockets."""
+    import shutil
+    import threading
+
+    from vamp_sglang.controller import make_private_ipc_dir
+
+    ipc_dir = make_private_ipc_dir()
+    controllers = [RankController(rank, 2, ipc_dir, timeout_s=0.2) for rank in range(2)]
+    makers = []
+    for ctl, spec in zip(controllers, (None, "agree-timeout:1")):
+        dm = object.__new__(decisions.DecisionMaker)  # only the agreement part: no memory needed
+        dm.controller, dm.faults, dm.round_id = ctl, Faults.parse(spec, seed=0), 0
+        makers.append(dm)
+
+    def round_on_both(proposals):
+        out = [None, None]
+        threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, makers[r]._agree_value(proposals[r])))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    try:
+        assert round_on_both((100, 50)) == [0, 0]  # rank 1 was late: nobody remaps
+        assert makers[1].faults.fired["agree-timeout"] == 1
+        makers[1].faults = Faults.parse(None)
+        assert round_on_both((100, 50)) == [50, 50]  # and the next round agrees as usual
+    finally:
+        for ctl in controllers:
+            ctl.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
