@@ -10,7 +10,7 @@ RESULTS ?= results
 EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
-.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode
+.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -29,3 +29,13 @@ eval-all: sweep-concurrency ablation-ratio ablation-policy report
 # TP 2 over two "nodes" on loopback (the rank controller on TCP + CURVE): both nodes, then TP 2 and TP 1.
 demo-multinode: model
 	OMP_NUM_THREADS=1 $(PY) -m eval.demo_multinode --model $(MODEL)
+
+# Does VAMP stay up? 30 minutes per TP size (1, then 2) of the multi-turn workload with client
+# aborts and VAMP_SGLANG_FAULT=remap:0.2; exits non-zero on a failed request, RSS growth or a page leak.
+SOAK_MINUTES ?= 30
+soak: model
+	OMP_NUM_THREADS=1 $(PY) -m eval.soak --model $(MODEL) --minutes $(SOAK_MINUTES) --out $(RESULTS)/soak
+
+# What one decision costs on a 10,000-node tree, against SGLang's own eviction.
+bench-decision: install
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_decision --json $(RESULTS)/bench_decision.json

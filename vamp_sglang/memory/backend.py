@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-BACKEND_NAMES = ("auto", "cuda", "host")
+from vamp_sglang.config import PAGE_BACKENDS
+
+BACKEND_NAMES = PAGE_BACKENDS  # the one list of names, --vamp-page-backend's
 
 
 class VmmRuleError(ValueError):

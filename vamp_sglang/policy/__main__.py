@@ -15,6 +15,7 @@ from typing import Any
 
 from vamp_sglang.policy.costs import Coefficients
 from vamp_sglang.policy.planner import COST_KEYS, POLICIES, Plan, plan
+from vamp_sglang.policy.restore import RestoreState, plan_restore
 from vamp_sglang.policy.snapshot import Snapshot, SnapshotError
 
 
@@ -70,6 +71,8 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
 def explain(args: argparse.Namespace) -> int:
     try:
         record = _load_record(args.file, args.line)
+        if isinstance(record, dict) and "restore_state" in record:
+            return _explain_restore(record["restore_state"], args.json)
         is_log_record = isinstance(record, dict) and "snapshot" in record
         snapshot = Snapshot.from_json(record["snapshot"] if is_log_record else record)
     except (InputError, SnapshotError) as e:
@@ -81,6 +84,18 @@ def explain(args: argparse.Namespace) -> int:
         return 2
     p = plan(snapshot, Coefficients(), policy)
     print(json.dumps(p.to_json()) if args.json else _describe(p, snapshot, policy))
+    return 0
+
+
+def _explain_restore(state: Any, as_json: bool) -> int:
+    """A restore record: replay `plan_restore` on its logged state."""
+    try:
+        restore_plan = plan_restore(RestoreState(**state))
+    except TypeError as e:
+        raise InputError(f"restore_state does not match the format: {e}") from None
+    out = restore_plan.to_json()
+    print(json.dumps(out) if as_json else f"restore: {out['action']} ({out['groups']} groups, evict "
+                                         f"{out['evict_tokens']} tokens, compact {out['compact']}): {out['reason']}")
     return 0
 
 

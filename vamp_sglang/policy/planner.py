@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vamp_sglang.config import POLICIES
 from vamp_sglang.policy.costs import (
     Coefficients,
     cached_block_cost_s,
@@ -37,7 +38,6 @@ COST_KEYS = ("evict", "offload", "preempt", "combined")
 # "partial": nothing covers the gap; offload all headroom and evict everything evictable, and the
 # rest stays short (at decode SGLang then retracts requests).
 ACTIONS = ("none",) + COST_KEYS + ("partial",)
-POLICIES = ("cost", "evict-first", "offload-first")
 _TIE_ORDER = ("evict", "offload", "combined", "preempt")  # on equal cost: the least disruptive first
 
 
@@ -199,7 +199,7 @@ def _first_feasible(*steps: tuple[str, ...]) -> Callable[[Options], str | None]:
     return choose
 
 
-_CHOOSERS: dict[str, Callable[[Options], str | None]] = {
+_CHOOSERS: dict[str, Callable[[Options], str | None]] = {  # one per name in config.POLICIES
     "cost": _cheapest,
     "evict-first": _first_feasible(("evict",), ("offload",), ("combined", "preempt")),
     "offload-first": _first_feasible(("offload",), ("combined",), ("evict",), ("preempt",)),
