@@ -84,3 +84,22 @@ def test_invalid_input_exits_2_with_the_field_on_stderr(tmp_path):
     assert r.returncode == 2 and "snapshot.site is missing" in r.stderr
     r = explain(tmp_path / "absent.json")
     assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def test_restore_records_replay_to_the_same_restore_plan(tmp_path):
+    from vamp_sglang.policy.restore import RestoreState, plan_restore
+
+    state = RestoreState(idle=True, idle_s=12.5, calm_steps=0, restore_after_steps=2000, offloaded_groups=8,
+                         expand_groups=4, pool_tokens=10240, keep_tokens=6144, used_tokens=7000,
+                         evictable_tokens=5000, baseline_tokens=2048, tail_free=False, can_compact=True)
+    logged = plan_restore(state)
+    assert (logged.action, logged.groups, logged.evict_tokens, logged.compact) == ("restore", 4, 856, True)
+    log = tmp_path / "decisions.jsonl"
+    log.write_text(json.dumps({"step": 3, "site": "restore", "restore_state": state.to_json(),
+                               "plan": logged.to_json()}) + "\n")
+    r = explain("--json", log)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == logged.to_json()
+    short = {**state.to_json(), "evictable_tokens": 100}  # cannot free the rows: no restore, nothing evicted
+    log.write_text(json.dumps({"step": 4, "restore_state": short}) + "\n")
+    assert json.loads(explain("--json", log).stdout)["evict_tokens"] == 0
