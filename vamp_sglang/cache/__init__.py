@@ -1,7 +1,7 @@
 """The value-aware radix cache's logic, kept free of SGLang and torch so it is testable alone.
 
 Per-node reuse statistics (`NodeStats`) and the admission ledger behind the observed hit rate, the
-C_c eviction order (`CostOrder`, paper Eq. 2), the read-only walk that predicts what an eviction
+eviction order (`CostOrder`: lowest p_eff of Eq. 1 first, priced by C_c of Eq. 2), the read-only walk that predicts what an eviction
 would free and cost (`walk`), and the histograms `/vamp/stats` reports. The SGLang tree these
 run on is built in `vamp_sglang.integration.radix`.
 """

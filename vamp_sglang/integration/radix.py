@@ -1,4 +1,4 @@
-"""SGLang's radix tree with reuse statistics and C_c-ordered eviction (`--radix-cache-backend vamp`).
+"""SGLang's radix tree with reuse statistics and p_eff-ordered eviction (`--radix-cache-backend vamp`).
 
 SGLang 0.5.23 builds `UnifiedRadixCache` over a pluggable tree core; its default Rust core takes
 only the eight built-in eviction policies by name, so `VampTreeCore` subclasses the Python core
