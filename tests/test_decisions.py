@@ -249,3 +249,23 @@ def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree():
         for ctl in controllers:
             ctl.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_the_tpot_guard_caps_what_a_decision_may_offload(maker):
+    """--vamp-tpot-slo-ms: no offload whose projected TPOT (measured step + measured staging per
+    group) would pass the SLO; the snapshot records the cap, so explain shows it."""
+    import dataclasses
+
+    maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
+    dm = maker.make()
+    assert dm.guard_cap_groups() == dm.view.headroom_groups  # nothing measured yet: no cap
+    dm.guard.observe_decode_step(95.0, 0)
+    dm.guard.observe_staging(1, 3.0)  # 3 ms per offloaded group per step
+    assert dm.guard_cap_groups() == 1  # 95 + 3 <= 100 < 95 + 2 * 3
+    cache_prompts(maker, 2, 10)
+    free = maker.alloc.available_size()
+    snap = dm.snapshot(free + 400, "prefill", None, maker.tree, dm.coefficients(), free)
+    assert snap.tpot_guard_groups == 1 and snap.offloadable_groups == 1
+    dm.guard.observe_decode_step(400.0, 0)
+    assert dm.guard_cap_groups() == 0
+    assert dm.stats()["tpot_guard"]["cap_groups"] == 0

@@ -89,7 +89,8 @@ def test_invalid_input_exits_2_with_the_field_on_stderr(tmp_path):
 def test_restore_records_replay_to_the_same_restore_plan(tmp_path):
     from vamp_sglang.policy.restore import RestoreState, plan_restore
 
-    state = RestoreState(idle=True, idle_s=12.5, calm_steps=0, restore_after_steps=2000, offloaded_groups=8,
+    state = RestoreState(idle=True, idle_s=12.5, calm_steps=0, tpot_over_slo=False, restore_after_steps=2000,
+                         offloaded_groups=8,
                          expand_groups=4, pool_tokens=10240, keep_tokens=6144, used_tokens=7000,
                          evictable_tokens=5000, baseline_tokens=2048, tail_free=False, can_compact=True)
     logged = plan_restore(state)
@@ -103,3 +104,14 @@ def test_restore_records_replay_to_the_same_restore_plan(tmp_path):
     short = {**state.to_json(), "evictable_tokens": 100}  # cannot free the rows: no restore, nothing evicted
     log.write_text(json.dumps({"step": 4, "restore_state": short}) + "\n")
     assert json.loads(explain("--json", log).stdout)["evict_tokens"] == 0
+
+
+def test_explain_shows_when_the_tpot_guard_ruled_offload_out(tmp_path):
+    f = tmp_path / "guarded.json"
+    f.write_text(json.dumps({**HOT, "site": "prefill", "tpot_guard_groups": 0}))
+    r = explain(f)
+    assert r.returncode == 0, r.stderr
+    assert "TPOT guard: at most 0 of 10 headroom groups may be offloaded" in r.stdout and "ruled out" in r.stdout
+    assert "plan: evict" in r.stdout  # the hot prefixes go, since offloading is not allowed
+    f.write_text(json.dumps({**HOT, "site": "prefill", "tpot_guard_groups": 4}))
+    assert json.loads(explain("--json", f).stdout)["groups"] == 4

@@ -40,6 +40,7 @@ from vamp_sglang.policy import Coefficients, OffloadState, PreemptCandidate, Sna
 from vamp_sglang.policy.calibration import Calibrator
 from vamp_sglang.policy.decision_log import DecisionLog
 from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
+from vamp_sglang.policy.tpot_guard import TpotGuard
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ class DecisionMaker:
         self._retracted_at: dict[str, float] = {}  # rid -> when SGLang retracted it (t_queue, Eq. 4)
         self._staging_wait_seen_s = 0.0  # the staging engine's total wait at the last forward
         self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
+        self.decode_timer = PrefillTimer(memory.experts.backend.device)  # decode steps, for the TPOT guard
+        self.guard = TpotGuard(self.config.tpot_slo_ms) if self.config.tpot_slo_ms else None
+        self._guard_cap: int | None = None  # the guard's cap agreed by the ranks (several ranks only)
+        self._guard_cap_at_step = 0
         self.view = NO_HEADROOM
         self.refresh_view()
 
@@ -151,6 +156,20 @@ class DecisionMaker:
         """The headroom plans and admission may use now (none for a while after a failed offload)."""
         return NO_HEADROOM if self.runtime.step < self.offload_blocked_until_step else self.view
 
+    def guard_cap_groups(self) -> int | None:
+        """The most groups the TPOT guard lets one decision offload now (None: no guard). Timings differ
+        by rank, so several ranks agree on the cap every COEFFICIENT_AGREE_STEPS steps."""
+        if self.guard is None:
+            return None
+        headroom = self.view.headroom_groups
+        local = next((n for n in range(headroom, 0, -1) if self.guard.allows_offload(n)), 0)
+        if self.controller.world_size == 1:
+            return local
+        step = self.runtime.step
+        if self._guard_cap is None or step - self._guard_cap_at_step >= COEFFICIENT_AGREE_STEPS:
+            self._guard_cap, self._guard_cap_at_step = self._agree_value(local), step
+        return self._guard_cap
+
     def coefficients(self) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every
         COEFFICIENT_AGREE_STEPS steps (timings differ by rank, decisions must not)."""
@@ -204,6 +223,7 @@ class DecisionMaker:
             retract_buffer_tokens=buffer_tokens,
             observed_hit_rate=self.runtime.ledger.hit_rate,
             coefficients=coeffs.as_overrides(),
+            tpot_guard_groups=self.guard_cap_groups(),
         )
 
     @staticmethod
@@ -313,13 +333,20 @@ class DecisionMaker:
         return False
 
     # --- calibration inputs ------------------------------------------------------------------------
-    def after_forward(self) -> None:
-        """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V)."""
-        wait_s = float(self.memory.experts.engine.stats().wait_s)
+    def after_forward(self, decode: bool) -> None:
+        """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V);
+        and, for the TPOT guard, decode step times and the staging copy time per offloaded group."""
+        staging = self.memory.experts.engine.stats()
+        wait_s = float(staging.wait_s)
         waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
-        shards = self.memory.offloaded_groups * self.memory.layout.group_experts
-        if shards:
-            self.calibrator.observe_staging(shards, waited_s)
+        groups = self.memory.offloaded_groups
+        if groups:
+            self.calibrator.observe_staging(groups * self.memory.layout.group_experts, waited_s)
+        if self.guard is not None:
+            for _, seconds in self.decode_timer.completed():
+                self.guard.observe_decode_step(seconds * 1e3, groups)
+            if decode and groups:
+                self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)
 
     def on_retracted(self, reqs: list[Any]) -> None:
         now = time.perf_counter()
@@ -345,7 +372,7 @@ class DecisionMaker:
         groups = min(self.config.expand_groups, self.memory.offloaded_groups)
         keep_tokens = self.memory.size_after_restore(groups)
         free = int(allocator.available_size())
-        idle_s = 0.0
+        idle_s, over_slo = 0.0, False
         if idle:
             now = time.monotonic()
             if self.idle_since is None:
@@ -362,10 +389,15 @@ class DecisionMaker:
             self.idle_since = None
             self.calm_steps = self.calm_steps + 1 if calm(free, self.memory.pool_tokens, keep_tokens,
                                                         self.runtime.baseline_tokens) else 0
-            if self.calm_steps < self.config.restore_after_steps:
+            over_slo = self.guard is not None and self.guard.wants_restore()
+            if self.controller.world_size > 1 and self.guard is not None:
+                over_slo = self.runtime.step % COEFFICIENT_AGREE_STEPS == 0 and bool(self._agree_value(int(over_slo)))
+            if over_slo:
+                self.guard.restored()  # one attempt, then patience again
+            elif self.calm_steps < self.config.restore_after_steps:
                 return
         state = RestoreState(
-            idle=idle, idle_s=idle_s, calm_steps=self.calm_steps,
+            idle=idle, idle_s=idle_s, calm_steps=self.calm_steps, tpot_over_slo=not idle and over_slo,
             restore_after_steps=self.config.restore_after_steps, offloaded_groups=self.memory.offloaded_groups,
             expand_groups=self.config.expand_groups, pool_tokens=self.memory.pool_tokens,
             keep_tokens=keep_tokens, used_tokens=self.memory.pool_tokens - free,
@@ -407,6 +439,7 @@ class DecisionMaker:
                          "admission_refusals": self.counts["admission_refusals"],
                          "faults_injected": dict(self.faults.fired)},
             "admission_offloads": self.counts["admission_offloads"],
+            "tpot_guard": None if self.guard is None else {**self.guard.stats(), "cap_groups": self.guard_cap_groups()},
         }
 
     _last_action = "none"
@@ -482,15 +515,20 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
     decider = maker()
     if decider is None:
         return original(scheduler, batch, *args, **kwargs)
+    # on a GPU the forward is only launched here: the timers read device events later
+    stream = getattr(scheduler, "forward_stream", None)
+    decode = batch.forward_mode.is_decode()
     if batch.forward_mode.is_extend() and batch.extend_num_tokens:
-        # on a GPU the forward is only launched here: the timer reads device events later
-        with decider.prefill_timer.measure(int(batch.extend_num_tokens), getattr(scheduler, "forward_stream", None)):
+        with decider.prefill_timer.measure(int(batch.extend_num_tokens), stream):
+            result = original(scheduler, batch, *args, **kwargs)
+    elif decode and decider.guard is not None:
+        with decider.decode_timer.measure(batch.batch_size(), stream):
             result = original(scheduler, batch, *args, **kwargs)
     else:
         result = original(scheduler, batch, *args, **kwargs)
     for tokens, seconds in decider.prefill_timer.completed():
         decider.calibrator.observe_prefill(tokens, seconds)
-    decider.after_forward()
+    decider.after_forward(decode)
     decider.maybe_restore()
     return result
 

@@ -60,7 +60,12 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
                    f"evictable tokens, and the rest stays short",
     }[p.action]
     rows = [f"site={s.site} gap={s.gap_tokens} tokens policy={policy} hit_rate={s.observed_hit_rate:g}",
-            f"plan: {p.action}: {what}", "", f"  {'action':<10} {'cost_s':>12}"]
+            f"plan: {p.action}: {what}"]
+    if s.tpot_guard_groups is not None and s.tpot_guard_groups < s.offload.headroom_groups:
+        rows.append(f"TPOT guard: at most {s.tpot_guard_groups} of {s.offload.headroom_groups} headroom groups "
+                    f"may be offloaded (--vamp-tpot-slo-ms)" + ("; offload ruled out" if not s.tpot_guard_groups
+                                                               else ""))
+    rows += ["", f"  {'action':<10} {'cost_s':>12}"]
     for key in COST_KEYS:
         cost = p.costs[key]
         mark = "  <- chosen" if key == p.action else ""

@@ -6,7 +6,8 @@ when it covers the whole gap; an infeasible one is priced as None. Each is price
 carry it out:
 
 - offload: the smallest multiple of `expand_groups` groups whose exact token gain covers the gap,
-  capped at the headroom. No headroom, no offload (and no combined): "only C_c and C_p remain".
+  capped at the headroom and at the TPOT guard's cap (`--vamp-tpot-slo-ms`). No headroom, no
+  offload (and no combined): "only C_c and C_p remain".
 - evict: whole radix nodes in the tree's own eviction order, each at the tree's own price, until
   the gap is covered.
 - preempt: only at a decode allocation (at a prefill allocation SGLang's admission has already
@@ -82,7 +83,7 @@ def plan(snapshot: Snapshot, coeffs: Coefficients, policy: str = "cost") -> Plan
     costs = {key: None if options[key] is None else options[key].cost_s for key in COST_KEYS}
     action = _CHOOSERS[policy](options)
     if action is None:
-        return Plan("partial", snapshot.offload.headroom_groups,
+        return Plan("partial", snapshot.offloadable_groups,
                     sum(e.tokens for e in snapshot.evictable), costs)
     chosen = options[action]
     return Plan(action, chosen.groups, chosen.evict_tokens, costs)
@@ -134,10 +135,11 @@ def _offload_price(s: Snapshot, c: Coefficients, groups: int) -> float:
 
 
 def _allowed_groups(s: Snapshot, c: Coefficients) -> list[int]:
-    """Offload sizes a plan may use: expand steps, and all the headroom as the last step."""
-    headroom = s.offload.headroom_groups
-    steps = list(range(c.expand_groups, headroom, c.expand_groups))
-    return steps + [headroom] if headroom else []
+    """Offload sizes a plan may use: expand steps, and all the headroom (capped by the TPOT guard)
+    as the last step."""
+    most = s.offloadable_groups
+    steps = list(range(c.expand_groups, most, c.expand_groups))
+    return steps + [most] if most else []
 
 
 def _offload(s: Snapshot, c: Coefficients) -> _Option | None:

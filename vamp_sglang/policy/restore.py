@@ -5,8 +5,9 @@ rows, and makes decode cheaper again (fewer offloaded experts to stage). Two tri
 functions of a `RestoreState` so every restore is logged and replayed like a shortfall plan:
 
 - busy: the pool has stayed calm (after giving one step back, a quarter of the start-up pool would
-  still be free) for `restore_after_steps` scheduler steps. Only free tail rows are given back:
-  nothing is evicted while requests run.
+  still be free) for `restore_after_steps` scheduler steps, or the TPOT guard saw decode stay above
+  its SLO (`--vamp-tpot-slo-ms`). Only free tail rows are given back: nothing is evicted while
+  requests run (rows above the smaller pool may be held by running requests).
 - idle: no request at all for `idle_restore_s` seconds of wall-clock time (never scheduler polls,
   which come every second with --sleep-on-idle and thousands of times a second without it). Then
   the cached prefixes that do not fit the smaller pool are evicted cheapest first, only if that
@@ -26,6 +27,7 @@ class RestoreState:
     idle: bool  # no request queued or running
     idle_s: float  # wall-clock seconds the server has been idle (rank-agreed minimum)
     calm_steps: int  # consecutive busy steps with the calm condition true
+    tpot_over_slo: bool  # busy, and the TPOT guard saw decode steps stay above --vamp-tpot-slo-ms
     restore_after_steps: int  # --vamp-restore-after-steps; 0 disables restoring
     offloaded_groups: int
     expand_groups: int
@@ -66,11 +68,12 @@ def plan_restore(s: RestoreState) -> RestorePlan:
     if not s.restore_after_steps or groups == 0:
         return RestorePlan(0, 0, False, "nothing offloaded or restoring disabled")
     if not s.idle:
-        if s.calm_steps < s.restore_after_steps:
+        why = "decode over the TPOT SLO" if s.tpot_over_slo else f"calm for {s.calm_steps} steps"
+        if not s.tpot_over_slo and s.calm_steps < s.restore_after_steps:
             return RestorePlan(0, 0, False, f"calm for {s.calm_steps} of {s.restore_after_steps} steps")
         if not s.tail_free:
-            return RestorePlan(0, 0, False, "calm, but the tail rows are in use")
-        return RestorePlan(groups, 0, False, f"calm for {s.calm_steps} steps")
+            return RestorePlan(0, 0, False, f"{why}, but the tail rows are in use")
+        return RestorePlan(groups, 0, False, why)
     if s.idle_s < IDLE_RESTORE_S:
         return RestorePlan(0, 0, False, f"idle for {s.idle_s:.1f} of {IDLE_RESTORE_S:.0f} s")
     if s.tail_free:

@@ -12,6 +12,7 @@ rules as one parsed from a file, and every error names the offending field by it
      "preempt": [{"partial_tokens": int, "tokens": int, "decode_tokens": int}, ...],
      "retract_buffer_tokens": int,
      "observed_hit_rate": float,
+     "tpot_guard_groups": int,                                 # optional: --vamp-tpot-slo-ms is on
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
@@ -25,6 +26,7 @@ last request is always kept): `tokens` is what retracting one frees at once (its
 cache-protected prefix), `partial_tokens` what it must re-prefill when it returns, `decode_tokens`
 what its next decode step would have allocated. After each retraction SGLang evicts until
 `retract_buffer_tokens` per remaining request are free (`release_req`), which the planner prices.
+`tpot_guard_groups` is the most groups the TPOT guard lets this decision offload (policy/tpot_guard).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Snapshot:
     retract_buffer_tokens: int  # SGLang frees this many per remaining request after each retraction
     observed_hit_rate: float
     coefficients: Mapping[str, float | int] = field(default_factory=dict)
+    tpot_guard_groups: int | None = None  # the TPOT guard's cap on groups to offload; None: no guard
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
@@ -87,6 +90,12 @@ class Snapshot:
         object.__setattr__(self, "offload", dataclasses.replace(
             self.offload, tokens_by_groups=tuple(self.offload.tokens_by_groups)))
         _validate(self)
+
+    @property
+    def offloadable_groups(self) -> int:
+        """Headroom, capped by the TPOT guard when it is on."""
+        headroom = self.offload.headroom_groups
+        return headroom if self.tpot_guard_groups is None else min(headroom, self.tpot_guard_groups)
 
     def offload_tokens(self, n_groups: int) -> int:
         """KV tokens offloading `n_groups` more groups adds (0 for none)."""
@@ -98,7 +107,7 @@ class Snapshot:
 
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
-        top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients",))
+        top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups"))
         offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
         offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
@@ -114,6 +123,7 @@ class Snapshot:
             observed_hit_rate=top["observed_hit_rate"],
             coefficients=dict(_fields(top.get("coefficients", {}), "snapshot.coefficients", (),
                                       optional=COEFFICIENT_NAMES)),
+            tpot_guard_groups=top.get("tpot_guard_groups"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -127,6 +137,8 @@ class Snapshot:
              "observed_hit_rate": self.observed_hit_rate}
         if self.coefficients:
             d["coefficients"] = dict(self.coefficients)
+        if self.tpot_guard_groups is not None:
+            d["tpot_guard_groups"] = self.tpot_guard_groups
         return d
 
 
@@ -203,6 +215,8 @@ def _validate(s: Snapshot) -> None:
         _int(p.tokens, f"snapshot.preempt[{i}].tokens", 0)
         _int(p.decode_tokens, f"snapshot.preempt[{i}].decode_tokens", 0)
     _rate(s.observed_hit_rate, "snapshot.observed_hit_rate")
+    if s.tpot_guard_groups is not None:
+        _int(s.tpot_guard_groups, "snapshot.tpot_guard_groups", 0)
     _validate_coefficients(s.coefficients)
 
 
