@@ -439,7 +439,10 @@ class DecisionMaker:
                          "admission_refusals": self.counts["admission_refusals"],
                          "faults_injected": dict(self.faults.fired)},
             "admission_offloads": self.counts["admission_offloads"],
-            "tpot_guard": None if self.guard is None else {**self.guard.stats(), "cap_groups": self.guard_cap_groups()},
+            # stats requests are not part of the ranks' replicated schedule: never start a round here
+            "tpot_guard": None if self.guard is None else {
+                **self.guard.stats(),
+                "cap_groups": self.guard_cap_groups() if self.controller.world_size == 1 else self._guard_cap},
         }
 
     _last_action = "none"
