@@ -128,12 +128,14 @@ def _run(setup: ServerSetup, config: ServerConfig, spec: BenchSpec) -> dict:
         return asyncio.run(run_bench(spec, ReplayOptions(server.url)))
 
 
-def _run_two_nodes(setup: ServerSetup, flags: tuple[str, ...], key_file: str, spec: BenchSpec) -> tuple[dict, dict]:
+def _run_two_nodes(setup: ServerSetup, flags: tuple[str, ...], key_files: tuple[str, str],
+                   spec: BenchSpec) -> tuple[dict, dict]:
+    """Node r gets key_files[r]: the same file normally, another one to show a rejected node."""
     dist_port = _dist_init_port()
-    common = (*flags, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist_port}",
-              "--vamp-controller-key-file", key_file)
-    node1 = _Node(setup, ServerConfig("node1", (*common, "--node-rank", "1")))
-    node0 = _Node(setup, ServerConfig("node0", (*common, "--node-rank", "0")))
+    common = (*flags, "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{dist_port}")
+    node1, node0 = (_Node(setup, ServerConfig(f"node{r}", (*common, "--node-rank", str(r),
+                                                          "--vamp-controller-key-file", key_files[r])))
+                    for r in (1, 0))
     node1.wait_at_start = False
     with _server_slot():
         try:
@@ -147,7 +149,9 @@ def _run_two_nodes(setup: ServerSetup, flags: tuple[str, ...], key_file: str, sp
         finally:
             node0.stop()  # its ShutdownReq stops node 1's scheduler too
             node1.stop()
-    return result, {"ports": ports, "listening": bound}
+    rejections = [line for line in node0.log_path.read_text(errors="replace").splitlines()
+                  if "vamp controller: rank 0 rejected" in line]
+    return result, {"ports": ports, "listening": bound, "rejections": rejections}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     add_demo_args(parser, "results/demo-multinode")
     parser.add_argument("--expand-groups", type=int, default=1,
                         help="expert groups per offload step: 1 makes several agreement rounds")
+    parser.add_argument("--wrong-key-run", action="store_true",
+                        help="also run the two nodes with node 1 holding another key: rejected, no remap anywhere, "
+                             "the server keeps serving (every shortfall waits out the time-outs: slow)")
     args = parser.parse_args(argv)
     if args.model == TINY_MODEL:
         ensure_tiny_model(args.model)
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = demo_spec(args)
     flags = ("--vamp-max-offload-ratio", str(args.ratio), "--vamp-expand-groups", str(args.expand_groups))
-    logs = {name: out_dir / f"decisions-{name}.jsonl" for name in ("tp1", "tp2", "nodes2")}
+    names = ("tp1", "tp2", "nodes2") + (("wrong_key",) if args.wrong_key_run else ())
+    logs = {name: out_dir / f"decisions-{name}.jsonl" for name in names}
     for path in logs.values():
         for stale in (path, Path(f"{path}.rank1")):
             stale.unlink(missing_ok=True)
@@ -174,19 +182,27 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = _run(setups[tp], ServerConfig(f"vamp-{name}", (*flags, "--vamp-decision-log",
                                                                         str(logs[name]))), spec)
     print("--- two nodes on loopback, TP 2 (one rank per node)", flush=True)
+    networks = {}
     with tempfile.TemporaryDirectory(prefix="vamp-demo-key-") as key_dir:
-        key_file = os.path.join(key_dir, "controller.key")
+        key_file, other_key_file = os.path.join(key_dir, "controller.key"), os.path.join(key_dir, "other.key")
         generate_key_file(key_file)
-        results["nodes2"], network = _run_two_nodes(
-            setups[2], (*flags, "--vamp-decision-log", str(logs["nodes2"])), key_file, spec)
+        generate_key_file(other_key_file)
+        results["nodes2"], networks["nodes2"] = _run_two_nodes(
+            setups[2], (*flags, "--vamp-decision-log", str(logs["nodes2"])), (key_file, key_file), spec)
+        if args.wrong_key_run:
+            print("--- two nodes again, node 1 holding another key file", flush=True)
+            results["wrong_key"], networks["wrong_key"] = _run_two_nodes(
+                setups[2], (*flags, "--vamp-decision-log", str(logs["wrong_key"])), (key_file, other_key_file),
+                spec)
     for name, result in results.items():
         (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "network.json").write_text(json.dumps(network, indent=1))
-    return report(results, {name: _per_rank(path) for name, path in logs.items()}, network, args)
+    (out_dir / "network.json").write_text(json.dumps(networks, indent=1))
+    return report(results, {name: _per_rank(path) for name, path in logs.items()}, networks, args)
 
 
-def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], network: dict,
+def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], networks: dict[str, dict],
            args: argparse.Namespace) -> int:
+    network = networks["nodes2"]
     rank0, rank1 = decisions["nodes2"]
     offloads = sum(d["plan"]["action"] in OFFLOADS for d in rank0)
     pools = [d["outcome"]["pool_tokens"] for d in rank0]
@@ -201,9 +217,19 @@ def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], net
             a for bound in network["listening"].values() for a in bound
             if a.endswith(f":{network['ports']['controller']}")] == [f"127.0.0.1:{network['ports']['controller']}"],
     }
+    if "wrong_key" in results:
+        wrong = decisions["wrong_key"]
+        checks |= {
+            "node 1 with another key: rejected and logged on node 0": bool(networks["wrong_key"]["rejections"]),
+            "node 1 with another key: no remap on any rank": not any(
+                d["outcome"]["tokens_added"] for rank in wrong for d in rank),
+            "node 1 with another key: greedy outputs identical to TP 1":
+                digests["wrong_key"] == digests["tp1"],
+        }
     print(f"\n{args.sessions} sessions x {args.turns} turns, pool {args.max_total_tokens} tokens, "
           f"VAMP ratio {args.ratio}\n")
-    print(f"{'':28}{'TP 1':>18}{'TP 2':>18}{'2 nodes':>18}")
+    titles = {"tp1": "TP 1", "tp2": "TP 2", "nodes2": "2 nodes", "wrong_key": "2 nodes, bad key"}
+    print(f"{'':28}" + "".join(f"{titles[n]:>18}" for n in results))
     rows = [("decisions (rank 0)", lambda n: str(len(decisions[n][0]))),
             ("offload/combined (rank 0)", lambda n: str(sum(d["plan"]["action"] in OFFLOADS
                                                             for d in decisions[n][0]))),
@@ -212,7 +238,7 @@ def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], net
             ("requests ok / failed", lambda n: f"{results[n]['completed']} / {results[n]['failed']}"),
             ("outputs digest", lambda n: digests[n])]
     for label, cell in rows:
-        print(f"{label:28}" + "".join(f"{cell(n):>18}" for n in ("tp1", "tp2", "nodes2")))
+        print(f"{label:28}" + "".join(f"{cell(n):>18}" for n in results))
     if pools:
         print(f"\ntwo nodes: KV pool after each decision {min(pools)}..{max(pools)} tokens on both ranks "
               f"({len(rank0)} decisions on rank 0, {len(rank1)} on rank 1)")
@@ -221,6 +247,8 @@ def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], net
           f"HTTP {ports['http_node0']} (node 0), dummy health {ports['health_node1']} (node 1)")
     names = {ports["dist_init"]: "SGLang TCPStore", ports["controller"]: "VAMP controller",
              ports["http_node0"]: "HTTP", ports["health_node1"]: "dummy health"}
+    for line in networks.get("wrong_key", {}).get("rejections", [])[:2]:
+        print(f"node 0 log, bad-key run: {line}")
     for node, bound in network["listening"].items():
         known = [f"{a} ({names[int(a.rsplit(':', 1)[1])]})" for a in bound if int(a.rsplit(":", 1)[1]) in names]
         others = sorted({a.rsplit(":", 1)[0] for a in bound if int(a.rsplit(":", 1)[1]) not in names})

@@ -286,3 +286,17 @@ def test_a_taken_controller_port_is_refused(deployment):
             RankController(0, 2, None, TIMEOUT_S, **deployment)
     check_port_free(endpoint)  # released on close
 
+
+
+def test_the_demo_reads_which_interface_each_listener_is_bound_to(deployment):
+    """eval.demo_multinode's /proc reader, which checks the leader's single interface on the real servers."""
+    from eval.demo_multinode import listeners
+
+    port = deployment["tcp_endpoint"].port
+    with socket.socket(socket.AF_INET6) as wildcard, \
+            RankController(0, 2, None, TIMEOUT_S, **deployment):
+        wildcard.bind(("::", 0))
+        wildcard.listen()
+        bound = listeners(os.getpgid(0))
+        assert f"127.0.0.1:{port}" in bound
+        assert f"[::]:{wildcard.getsockname()[1]}" in bound
