@@ -357,10 +357,12 @@ def _replay(segments: dict, layer_ids: list[int], engine: StagingEngine) -> torc
 
 
 def _poison_slots(stores) -> None:
-    """Make every staging slot stale, so only a staging copy can make an output exact."""
+    """Make every staging slot stale, so only a staging copy can make an output exact. The fill runs on
+    the compute stream, which the copy stream is not ordered after: finish it before any copy is issued."""
     for store in stores:
         for dst, _ in store.staging_pairs():
             dst.fill_(float("nan"))
+    stores[0].backend.synchronize()
 
 
 def _read_alias_page(backend: PageBackend, staging, stores, groups: int) -> bool:
