@@ -157,6 +157,7 @@ def _run_two_nodes(setup: ServerSetup, flags: tuple[str, ...], key_files: tuple[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval.demo_multinode", description=__doc__.splitlines()[0])
     add_demo_args(parser, "results/demo-multinode")
+    parser.set_defaults(sessions=16)  # past the grown pool too: 1 offload, then ~20 evictions both ranks agree on
     parser.add_argument("--expand-groups", type=int, default=1,
                         help="expert groups per offload step: 1 makes several agreement rounds")
     parser.add_argument("--wrong-key-run", action="store_true",

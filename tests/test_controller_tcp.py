@@ -87,7 +87,10 @@ def test_a_lost_node_means_no_remap_on_any_rank_and_the_others_keep_agreeing(tmp
 
 def test_a_lost_leader_means_no_remap_on_the_followers(tmp_path, deployment):
     rounds = [(1, 64, True), (2, 32, True)]
-    outs = run_ranks(tmp_path, 2, {0: _agree_then_ok(rounds[:1]) + [("die",)], 1: _agree_then_ok(rounds)},
+    # The leader lets its round-1 Outcome leave before it vanishes (an Outcome lost in flight is the gap
+    # agreement.py documents), then dies before round 2.
+    leader = _agree_then_ok(rounds[:1]) + [("sleep", 0.3), ("die",)]
+    outs = run_ranks(tmp_path, 2, {0: leader, 1: _agree_then_ok(rounds)},
                      deployment)
     assert outs[1]["results"] == [64, True, 0, False]
     assert _logged(outs[1], "rank 0 (leader) did not answer round 2 within 1.0 s")
@@ -153,6 +156,26 @@ def test_a_peer_without_the_key_is_rejected_logged_and_never_answered(deployment
             assert decode(holder.recv()) == Decision(2, 30, ())
     finally:
         context.destroy(linger=0)
+
+
+def test_a_rank_holding_another_key_file_says_so_and_no_rank_remaps(tmp_path, deployment, caplog):
+    other = str(tmp_path / "other.key")
+    generate_key_file(other)
+    follower_result = []
+
+    def follow():
+        with RankController(1, 2, None, TIMEOUT_S, tcp_endpoint=deployment["tcp_endpoint"], key_file=other) as follower:
+            follower_result.extend([follower.agree_min(1, 30), follower.all_ok(1, True)])
+
+    with caplog.at_level(logging.INFO), RankController(0, 2, None, TIMEOUT_S, **deployment) as leader:
+        thread = threading.Thread(target=follow)
+        thread.start()
+        assert [leader.agree_min(1, 50), leader.all_ok(1, True)] == [0, False]
+        thread.join(30)
+    assert follower_result == [0, False]
+    assert "rank 0 rejected" in caplog.text and "does not hold this deployment's key" in caplog.text
+    assert "rank 1 failed" in caplog.text and "handshake" in caplog.text
+    assert "is --vamp-controller-key-file the same file on every node?" in caplog.text
 
 
 def _delivered(server, client) -> bool:

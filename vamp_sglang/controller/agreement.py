@@ -147,7 +147,8 @@ class RankController:
         key = load_key_file(key_file)
         self._context = zmq.Context()  # our own: one ZAP authenticator per context
         try:
-            self._channel = TcpChannel(self._context, endpoint, key, self.is_leader, _routing_id(self.rank))
+            self._channel = TcpChannel(self._context, endpoint, key, self.is_leader, _routing_id(self.rank),
+                                       f"rank {self.rank}")
         except (zmq.ZMQError, ControllerError) as exc:
             self.close()
             raise ControllerError(f"rank {self.rank} cannot open the controller on {endpoint.url}: {exc}") from exc

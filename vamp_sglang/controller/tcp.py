@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -139,15 +140,13 @@ def bind_leader_socket(context: zmq.Context, endpoint: TcpEndpoint, key: Deploym
     return sock
 
 
-def connect_follower_socket(context: zmq.Context, endpoint: TcpEndpoint, key: DeploymentKey,
-                            routing_id: bytes) -> zmq.Socket:
-    """A follower's CURVE-client DEALER; it queues until the leader binds and admits it."""
+def follower_socket(context: zmq.Context, endpoint: TcpEndpoint, key: DeploymentKey, routing_id: bytes) -> zmq.Socket:
+    """A follower's CURVE-client DEALER, not yet connected; it queues until the leader binds and admits it."""
     sock = context.socket(zmq.DEALER)
     _common_options(sock, endpoint)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.curve_secretkey, sock.curve_publickey = key.secret, key.public
     sock.curve_serverkey = key.public
-    sock.connect(endpoint.url)
     return sock
 
 
@@ -174,13 +173,22 @@ def _rejection_reason(event: int, value: int) -> str:
             "hung up, as one without CURVE may)")
 
 
-class _RejectionLog(threading.Thread):
-    """Logs every failed handshake on the leader's socket, at most one line per reason per interval."""
+def _refusal_reason(event: int, value: int) -> str:
+    """A follower's view: the leader refused its key, or broke the handshake off (it holds another key)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the leader refused this rank's key (ZAP status {value})"
+    detail = zmq.Event(value).name if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else os.strerror(value)
+    return f"the leader broke the CURVE handshake off ({detail}): it holds another key"
 
-    def __init__(self, sock: zmq.Socket, endpoint: TcpEndpoint) -> None:
-        super().__init__(name="vamp-controller-rejections", daemon=True)
+
+class _HandshakeLog(threading.Thread):
+    """Logs every failed handshake on a socket, at most one line per reason per interval: `line` takes
+    the count, a plural "s" and the reason that `reason(event, value)` gives."""
+
+    def __init__(self, sock: zmq.Socket, line: str, reason: Callable[[int, int], str]) -> None:
+        super().__init__(name="vamp-controller-handshakes", daemon=True)
         self._monitor = sock.get_monitor_socket(_FAILED_HANDSHAKE)
-        self._endpoint = endpoint
+        self._line, self._reason = line, reason
         self._stopping = threading.Event()
         self._last_logged_s: dict[str, float] = {}
         self._unlogged: dict[str, int] = {}
@@ -190,7 +198,7 @@ class _RejectionLog(threading.Thread):
             while not self._stopping.is_set():
                 if self._monitor.poll(100, zmq.POLLIN):
                     event = recv_monitor_message(self._monitor)
-                    self._note(_rejection_reason(event["event"], event["value"]))
+                    self._note(self._reason(event["event"], event["value"]))
             self._flush()
         finally:
             self._monitor.close(linger=0)
@@ -213,20 +221,23 @@ class _RejectionLog(threading.Thread):
     def _log(self, reason: str) -> None:
         count = self._unlogged.pop(reason, 0)
         if count:
-            logger.warning("vamp controller: rank 0 rejected %d connection attempt%s on %s: %s; never answered",
-                           count, "" if count == 1 else "s", self._endpoint.url, reason)
+            logger.warning(self._line, count, "" if count == 1 else "s", reason)
 
 
 class TcpChannel:
-    """One rank's TCP socket plus, on the leader, the authenticator and the rejection log it needs."""
+    """One rank's TCP socket, the log of its failed handshakes and, on the leader, the authenticator."""
 
     def __init__(self, context: zmq.Context, endpoint: TcpEndpoint, key: DeploymentKey, is_leader: bool,
-                 routing_id: bytes) -> None:
+                 routing_id: bytes, who: str) -> None:
         self.endpoint = endpoint
         self._authenticator: ThreadAuthenticator | None = None
-        self._rejections: _RejectionLog | None = None
         if not is_leader:
-            self.socket = connect_follower_socket(context, endpoint, key, routing_id)
+            self.socket = follower_socket(context, endpoint, key, routing_id)
+            self._handshakes = _HandshakeLog(
+                self.socket, f"vamp controller: {who} failed %d handshake%s with the leader at "
+                f"{endpoint.url}: %s; is --vamp-controller-key-file the same file on every node?", _refusal_reason)
+            self._handshakes.start()
+            self.socket.connect(endpoint.url)
             return
         self._authenticator = ThreadAuthenticator(context, log=logger.getChild("zap"))
         self._authenticator.start()
@@ -236,13 +247,14 @@ class TcpChannel:
         except zmq.ZMQError as exc:
             self._authenticator.stop()
             raise ControllerError(f"rank 0 cannot bind the controller port {endpoint.url}: {exc}") from exc
-        self._rejections = _RejectionLog(self.socket, endpoint)
-        self._rejections.start()
+        self._handshakes = _HandshakeLog(
+            self.socket, f"vamp controller: rank 0 rejected %d connection attempt%s on {endpoint.url}: %s; never "
+            "answered", _rejection_reason)
+        self._handshakes.start()
 
     def close(self) -> None:
-        if self._rejections is not None:
-            self.socket.disable_monitor()
-            self._rejections.stop()
+        self.socket.disable_monitor()
+        self._handshakes.stop()
         self.socket.close(linger=0)
         if self._authenticator is not None:
             self._authenticator.stop()
