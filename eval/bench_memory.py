@@ -107,20 +107,20 @@ def close_system(backend, staging, stores, kv, *others) -> None:
 
 def bench_remap(reps: int, populate: bool, quiet: tuple[float, float]) -> dict:
     backend, _weights, lay, staging, stores, kv = tiny_system(0.5, 8192, populate)
-    rp = Repartitioner(lay, stores, kv, lambda old, new: None, tail_is_free=lambda lo, hi: True)
+    rp = Repartitioner(lay, stores, kv, lambda old, new, pool_tokens: None, tail_is_free=lambda lo, hi: True)
     moved_gib = lay.bound_groups * lay.bytes_freed_per_group / GIB
     offload_s, restore_s = [], []
     wait_for_quiet(*quiet)
     with Contention() as load:
         for _ in range(reps):
             start = time.perf_counter()
-            tokens = rp.offload(lay.bound_groups)
+            rows = rp.offload(lay.bound_groups)
             offload_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             rp.restore(lay.bound_groups)
             restore_s.append(time.perf_counter() - start)
     close_system(backend, staging, stores, kv, rp)
-    return {"populate": populate, "moved_mib": moved_gib * 1024, "groups": lay.bound_groups, "tokens_added": tokens,
+    return {"populate": populate, "moved_mib": moved_gib * 1024, "groups": lay.bound_groups, "rows_added": rows,
                 "offload_ms_per_gib": statistics.median(offload_s) * 1e3 / moved_gib,
                 "restore_ms_per_gib": statistics.median(restore_s) * 1e3 / moved_gib, "other_cores_busy": load.other_cores}
 

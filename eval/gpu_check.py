@@ -237,12 +237,12 @@ def check_graphs(backend: PageBackend, gpu: bool) -> dict:
                                   0.5, experts)
     before = backend.live_counts()
     staging, stores = build_expert_stores(backend, layout, {k: v[:2] for k, v in weights.items() if k})
-    kv = GrowableKVBuffers.for_layout(backend, layout, 2, *KV_ROW_SHAPE, dtype, initial_tokens=1024)
+    kv = GrowableKVBuffers.for_layout(backend, layout, 2, *KV_ROW_SHAPE, dtype, initial_rows=1024)
     for i, t in enumerate(kv.k_buffers + kv.v_buffers):
         t.copy_(torch.randn(t.shape, device=dev, generator=gen, dtype=dtype) + i)
-    live_rows = kv.token_capacity
+    live_rows = kv.row_capacity
     engine = StagingEngine(stores, "async")
-    rp = Repartitioner(layout, stores, kv, lambda old, new: None, tail_is_free=lambda lo, hi: lo >= live_rows,
+    rp = Repartitioner(layout, stores, kv, lambda old, new, pool_tokens: None, tail_is_free=lambda lo, hi: lo >= live_rows,
                        staging=engine)
     paged = {s.layer_id: (s.w13, s.w2) for s in stores}
     x0 = torch.randn(tokens, hidden, device=dev, generator=gen, dtype=dtype)
@@ -271,9 +271,9 @@ def check_graphs(backend: PageBackend, gpu: bool) -> dict:
 
     segments = _capture_segments(layer_ids, layer_forward, engine, x0, result) if gpu else None
     groups = layout.bound_groups // 2
-    pool_before = kv.token_capacity
+    pool_before = kv.row_capacity
     rp.offload(groups)
-    result["kv_pool_grew"] = kv.token_capacity > pool_before
+    result["kv_pool_grew"] = kv.row_capacity > pool_before
     if gpu:  # item 1: hooks called inside a capture while experts are offloaded leave no captured event
         result["hooks_idle_while_capturing"] = _capture_with_hooks(engine, layer_forward, x0, stores[0].layer_id)
     result["first_eager_forward_after_offload_exact"] = torch.equal(eager(engine), reference)

@@ -19,7 +19,6 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.test.unified_allocator_fixtures import setup_allocator_context
 
 from tests.test_integration_memory import sglang_moe, vamp  # noqa: F401 (fixtures)
 from vamp_sglang.config import VampConfig
@@ -32,8 +31,7 @@ EVICT = BaseTokenToKVPoolAllocator.evict_to_free_tokens  # SGLang's own (no hook
 
 
 @pytest.fixture(scope="module", autouse=True)
-def allocator_context():
-    setup_allocator_context()  # before sglang_moe sets up the one-process parallel groups
+def allocator_context(sglang_moe):  # noqa: F811  (its one-process parallel context serves the tree too)
     radix.install()
 
 

@@ -27,7 +27,7 @@ def pages(backend, n):
 
 def test_growth_is_visible_through_the_existing_tensor_objects(backend):
     kv = GrowableKVBuffers(backend, layers=2, heads=2, head_dim=16, dtype=torch.float32,
-                           initial_tokens=1024, max_tokens=8192)  # row 128 B: 512 rows per page
+                           initial_rows=1024, max_rows=8192)  # row 128 B: 512 rows per page
     holders = [kv.k_buffers, kv.v_buffers]  # like SGLang's k_buffer / v_buffer lists
     ids = [id(t) for t in kv.k_buffers + kv.v_buffers]
     ptrs = [t.data_ptr() for t in kv.k_buffers + kv.v_buffers]
@@ -46,18 +46,18 @@ def test_growth_is_visible_through_the_existing_tensor_objects(backend):
 
 def test_capacity_counts_whole_rows_when_pages_do_not_divide(backend):
     # row = 3 heads * 40 * 4 B = 480 B; a 64 KiB page holds 136.53 rows
-    kv = GrowableKVBuffers(backend, 1, 3, 40, torch.float32, initial_tokens=100, max_tokens=2000)
-    assert (kv.pages_per_buffer, kv.token_capacity) == (1, 136)
+    kv = GrowableKVBuffers(backend, 1, 3, 40, torch.float32, initial_rows=100, max_rows=2000)
+    assert (kv.pages_per_buffer, kv.row_capacity) == (1, 136)
     assert kv.grow(pages(backend, 2)) == 273  # one page for K, one for V: 2 pages = 273.07 rows
     assert kv.grow(pages(backend, 2)) == 409
-    assert kv.max_token_capacity == 2048  # 2000 rows need 14.6 pages: 15 reserved hold 2048 rows
+    assert kv.max_row_capacity == 2048  # 2000 rows need 14.6 pages: 15 reserved hold 2048 rows
     kv.close()
     kv = GrowableKVBuffers(backend, 1, 3, 40, torch.float32, 100, 2000, row_multiple=16)
-    assert kv.token_capacity == 128
+    assert kv.row_capacity == 128
     assert kv.grow(pages(backend, 2)) == 272
     kv.close()
     kv = GrowableKVBuffers(backend, 1, 3, 40, torch.float32, 136, 2000, row_multiple=16)
-    assert (kv.pages_per_buffer, kv.token_capacity) == (2, 272)  # one page rounds down to 128 < 136
+    assert (kv.pages_per_buffer, kv.row_capacity) == (2, 272)  # one page rounds down to 128 < 136
     kv.close()
 
 
@@ -69,7 +69,7 @@ def test_grow_rejects_uneven_or_oversized_page_sets(backend):
     too_many = extra + pages(backend, 4 * 4 - 3)
     with pytest.raises(VmmRuleError, match="exceed the reservation"):
         kv.grow(too_many)
-    assert (kv.pages_per_buffer, kv.token_capacity) == (1, 512)
+    assert (kv.pages_per_buffer, kv.row_capacity) == (1, 512)
     for h in too_many:
         backend.release(h)
     kv.close()
@@ -82,9 +82,9 @@ def test_shrink_only_over_free_rows_and_returns_the_tail_pages(backend):
     seen = []
     with pytest.raises(KVShrinkError, match=r"\[1024, 1536\)"):
         kv.shrink(1, lambda lo, hi: seen.append((lo, hi)) or False)
-    assert seen == [(1024, 1536)] and kv.token_capacity == 1536 and kv.pages_per_buffer == 3
+    assert seen == [(1024, 1536)] and kv.row_capacity == 1536 and kv.pages_per_buffer == 3
     back = kv.shrink(2, lambda lo, hi: True)
-    assert kv.token_capacity == 512 and kv.pages_per_buffer == 1
+    assert kv.row_capacity == 512 and kv.pages_per_buffer == 1
     assert set(back) == set(added)  # exactly the pages that were appended
     assert kv.grow(back) == 1536
     with pytest.raises(VmmRuleError, match="n_pages"):
@@ -105,7 +105,7 @@ def test_rows_dropped_by_shrink_are_unmapped():
         old_view = kv.k_buffers[0][:1024]
         old_view[1000].fill_(1.0)
         kv.shrink(1, lambda lo, hi: True)
-        print("shrunk", kv.token_capacity, flush=True)
+        print("shrunk", kv.row_capacity, flush=True)
         old_view[1000].fill_(2.0)
         print("no fault", flush=True)
     """)

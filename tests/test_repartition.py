@@ -10,7 +10,7 @@ from test_experts import host_backend, make_layout, make_weights
 from eval.bench_memory import moe_forward
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import LayoutError
-from vamp_sglang.memory.repartition import AgreementMismatch, Repartitioner
+from vamp_sglang.memory.repartition import Repartitioner
 from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER = [0, 1, 2, 3], 16, 128, 64  # w13 1 page, w2 half a page: g = 2, 3 pages/group
@@ -55,16 +55,16 @@ class FaultyBackend:
 class PoolSize:
     """What the allocator glue would do with the callback: remember the size, refuse when told to."""
 
-    def __init__(self, tokens):
-        self.tokens, self.refuse, self.used_rows = tokens, False, 0
+    def __init__(self, rows):
+        self.rows, self.refuse, self.used_rows = rows, False, 0
         self.log = []
 
-    def resize(self, old, new):
-        assert old == self.tokens
+    def resize(self, old_rows, new_rows, pool_tokens):
+        assert old_rows == self.rows and pool_tokens is None  # these tests publish rows only
         if self.refuse:
             self.log.append("refused")
             raise InjectedFault("a rank refused the new pool size")
-        self.tokens = new
+        self.rows = new_rows
 
     def tail_is_free(self, lo, hi):
         return self.used_rows <= lo
@@ -80,7 +80,7 @@ def system():
     kv = GrowableKVBuffers(backend, 3, 2, 16, torch.float32, 512, 16 * 512)  # 6 buffers, 512 rows/page
     for i, t in enumerate(kv.k_buffers + kv.v_buffers):
         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
-    pool = PoolSize(kv.token_capacity)
+    pool = PoolSize(kv.row_capacity)
     pool.log = backend.log
     engine = StagingEngine(stores, "async")
     rp = Repartitioner(layout, stores, kv, pool.resize, tail_is_free=pool.tail_is_free, staging=engine)
@@ -95,7 +95,7 @@ def system():
 
 def snapshot(real, stores, kv, pool, rp, live_rows):
     stats = dataclasses.replace(rp.stats(), remap_s=0.0, remapped_bytes=0)  # counters of completed remaps
-    return {"stats": stats, "pool": pool.tokens, "pages": kv.pages_per_buffer,
+    return {"stats": stats, "pool": pool.rows, "pages": kv.pages_per_buffer,
                 "shapes": [tuple(t.shape) for t in kv.k_buffers + kv.v_buffers],
                 "kv": kv.checksums(live_rows), "experts": [s.expert_checksums() for s in stores],
                 "boundaries": [s.boundary_expert for s in stores], "live": real.live_counts(),
@@ -119,16 +119,16 @@ def test_offload_moves_pages_without_new_memory_and_restore_returns_them(system)
     k0 = kv.k_buffers[0]
     committed = real.committed_bytes
     experts = [s.expert_checksums(0, EXPERTS) for s in stores]
-    assert rp.prepare(1) == 512  # 9 pages over 6 buffers: 1 page each, 3 spare
-    assert rp.offload(1) == 512 and pool.tokens == kv.token_capacity == 1024
+    assert rp.rows_gained(1) == 512  # 9 pages over 6 buffers: 1 page each, 3 spare
+    assert rp.offload(1) == 512 and pool.rows == kv.row_capacity == 1024
     assert rp.stats().spare_bytes == 3 * layout.granularity_bytes
-    assert rp.prepare(1) == 1024  # 3 spare + 9 freed = 12 pages: 2 each
-    assert rp.offload(3, expect_tokens=rp.prepare(3)) == 2560  # 4 groups: 36 pages = 6 each
-    assert kv.k_buffers[0] is k0 and k0.shape[0] == 7 * 512 and pool.tokens == 3584
+    assert rp.rows_gained(1) == 1024  # 3 spare + 9 freed = 12 pages: 2 each
+    assert rp.rows_gained(3) == rp.offload(3) == 2560  # 4 groups: 36 pages = 6 each
+    assert kv.k_buffers[0] is k0 and k0.shape[0] == 7 * 512 and pool.rows == 3584
     assert real.committed_bytes == committed  # expert pages became KV pages: no new memory
     assert [s.boundary_expert for s in stores] == [8, 8, 8]
     assert staged_outputs_exact(weights, stores, engine)
-    assert rp.restore(4) == 3072 and kv.token_capacity == 512 and k0.shape[0] == 512
+    assert rp.restore(4) == 3072 and kv.row_capacity == 512 and k0.shape[0] == 512
     assert [s.expert_checksums(0, EXPERTS) for s in stores] == experts
     assert real.committed_bytes == committed
     with pytest.raises(LayoutError, match="offloaded_groups"):
@@ -141,18 +141,18 @@ def test_cycles_keep_every_resident_expert_and_live_kv_row(system):
     pool.used_rows = 512  # the fixture wrote every initial row
     for step, (action, n) in enumerate([("o", 2), ("o", 1), ("r", 1), ("o", 2), ("r", 3), ("o", 3), ("r", 4)]):
         if action == "r":  # requests finished: the rows a restore drops are free
-            pool.used_rows = min(pool.used_rows, rp.tokens_at(rp.offloaded_groups - n))
+            pool.used_rows = min(pool.used_rows, rp.rows_at(rp.offloaded_groups - n))
         live = kv.checksums(pool.used_rows)
         (rp.offload if action == "o" else rp.restore)(n)
         assert kv.checksums(pool.used_rows) == live, f"step {step}: a live KV row changed"
         if action == "o":  # the scheduler fills most of the new rows
-            new_used = kv.token_capacity - 100
+            new_used = kv.row_capacity - 100
             for t in kv.k_buffers + kv.v_buffers:
                 t[pool.used_rows:new_used].fill_(float(step))
             pool.used_rows = new_used
         for s, ref in zip(stores, experts):
             assert s.expert_checksums() == ref[:s.boundary_expert]
-        assert pool.tokens == kv.token_capacity == rp.tokens_at(rp.offloaded_groups)
+        assert pool.rows == kv.row_capacity == rp.rows_at(rp.offloaded_groups)
         assert staged_outputs_exact(weights, stores, engine)
     assert rp.offloaded_groups == 0 and [s.expert_checksums(0, EXPERTS) for s in stores] == experts
 
@@ -166,7 +166,7 @@ def count_calls(backend, action):
 def test_a_failure_at_any_step_of_offload_or_restore_changes_nothing(system):
     real, backend, weights, _layout, stores, kv, pool, rp, engine = system
     rp.offload(1)  # start with aliases and spare pages in place
-    pool.used_rows = kv.token_capacity
+    pool.used_rows = kv.row_capacity
     before = snapshot(real, stores, kv, pool, rp, pool.used_rows)
     offload_calls = count_calls(backend, lambda: rp.offload(2))
     restore_calls = count_calls(backend, lambda: rp.restore(2))
@@ -199,11 +199,8 @@ def test_refusals_change_nothing(system):
         rp.offload(2)
     assert snapshot(real, stores, kv, pool, rp, 512) == before
     pool.refuse = False
-    with pytest.raises(AgreementMismatch):
-        rp.offload(2, expect_tokens=rp.prepare(2) - 1)
-    assert snapshot(real, stores, kv, pool, rp, 512) == before
     rp.offload(2)
-    pool.used_rows = kv.token_capacity  # every row in use: nothing may be restored
+    pool.used_rows = kv.row_capacity  # every row in use: nothing may be restored
     mid = snapshot(real, stores, kv, pool, rp, 512)
     with pytest.raises(KVShrinkError):
         rp.restore(1)
@@ -220,13 +217,13 @@ def test_kv_reservation_must_cover_the_bound():
     layout = make_layout(weights, 0.5)
     staging, stores = build_expert_stores(real, layout, {k: v[:2] for k, v in weights.items() if k})
     kv = GrowableKVBuffers(real, 3, 2, 16, torch.float32, 512, 2048)  # 4 pages; the bound needs 7
-    with pytest.raises(LayoutError, match="raise max_tokens to 3584"):
-        Repartitioner(layout, stores, kv, lambda a, b: None, tail_is_free=lambda a, b: True)
+    with pytest.raises(LayoutError, match="raise max_rows to 3584"):
+        Repartitioner(layout, stores, kv, lambda a, b, c: None, tail_is_free=lambda a, b: True)
     with pytest.raises(LayoutError, match="eligible layers"):
-        Repartitioner(layout, stores[1:], kv, lambda a, b: None, tail_is_free=lambda a, b: True)
+        Repartitioner(layout, stores[1:], kv, lambda a, b, c: None, tail_is_free=lambda a, b: True)
     kv.close()
     kv = GrowableKVBuffers.for_layout(real, layout, 3, 2, 16, torch.float32, 512)  # sized for the bound
-    rp = Repartitioner(layout, stores, kv, lambda a, b: None, tail_is_free=lambda a, b: True)
+    rp = Repartitioner(layout, stores, kv, lambda a, b, c: None, tail_is_free=lambda a, b: True)
     rp.offload(layout.bound_groups)
     assert kv.pages_per_buffer == kv.max_pages_per_buffer == 7
     rp.restore(layout.bound_groups)

@@ -49,7 +49,6 @@ class ExpertMemory:
         self.experts, self.pool, self.allocator = experts, pool, allocator
         self._publish, self._quiesce = publish, quiesce
         self.layout = experts.layout
-        self._target_tokens = pool.pool.size  # the SGLang pool size the running transaction publishes
         self.faults: Faults = NONE  # VAMP_SGLANG_FAULT=remap:P makes the transaction fail here
         self.remap_s = 0.0
         self.size_snapshots: dict[str, int] = {}
@@ -82,7 +81,7 @@ class ExpertMemory:
         if not isinstance(tokens, int) or not 0 <= tokens <= gain or (n_groups == 0 and tokens):
             raise ValueError(f"tokens must be an integer in [0, tokens_for({n_groups}) = {gain}] (got {tokens!r})")
         if n_groups:
-            self._remap(lambda: self.repartitioner.offload(n_groups), self.pool_tokens + tokens)
+            self._remap(lambda: self.repartitioner.offload(n_groups, pool_tokens=self.pool_tokens + tokens))
 
     def restorable_groups(self) -> int:
         """Groups that can come back now: the KV tail ids they would take are all free."""
@@ -99,7 +98,7 @@ class ExpertMemory:
         if n_groups == 0:
             return 0
         old, new = self.pool_tokens, self.size_after_restore(n_groups)
-        self._remap(lambda: self.repartitioner.restore(n_groups), new)
+        self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
         return old - new
 
     def stats(self) -> dict[str, Any]:
@@ -115,7 +114,7 @@ class ExpertMemory:
                         "remap_gib_per_s": round(rep.remap_gib_per_s, 3),
                         "graph_breaks": moe_staging.staging_breaks(self.experts)},
             "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups),
-                        "buffer_rows": self.pool.kv.token_capacity, "size_snapshots": dict(self.size_snapshots)},
+                        "buffer_rows": self.pool.kv.row_capacity, "size_snapshots": dict(self.size_snapshots)},
             "staging": {"wait_s": round(staging.wait_s, 6), "copy_s": round(staging.copy_s, 6),
                         "step_wait_s": round(staging.step_wait_s, 6), "step_copy_s": round(staging.step_copy_s, 6),
                         "bytes": staging.bytes_staged, "copies": staging.copies, "stalls": staging.stalls,
@@ -124,20 +123,21 @@ class ExpertMemory:
 
     # ---- inside a transaction --------------------------------------------------------------------
 
-    def _remap(self, move: Callable[[], int], target_tokens: int) -> None:
+    def _remap(self, move: Callable[[], int]) -> None:
         self._quiesce()
         start = time.perf_counter()
-        self._target_tokens = target_tokens
         try:
             move()
         finally:
-            self._target_tokens = self.pool_tokens
             self.remap_s += time.perf_counter() - start
 
-    def _on_pool_resize(self, old_rows: int, new_rows: int) -> None:
-        """The transaction's last step: SGLang sees the new size (raising here rolls the remap back)."""
+    def _on_pool_resize(self, old_rows: int, new_rows: int, pool_tokens: int | None) -> None:
+        """The transaction's last step: SGLang sees the new size `pool_tokens`, which offload/restore
+        handed down (raising here rolls the remap back)."""
         self.faults.check("remap", "the pool resize of a remap transaction")
-        new, old = self._target_tokens, self.pool_tokens
+        if pool_tokens is None:
+            raise ValueError("ExpertMemory remaps always name the SGLang pool size they publish")
+        new, old = pool_tokens, self.pool_tokens
         if new > self.pool.size_for_rows(new_rows):
             raise KVShrinkError(f"pool size {new} does not fit the {new_rows} mapped rows")
         try:
@@ -164,7 +164,7 @@ class ExpertMemory:
         return min(self.pool_tokens, self._max_tokens_at(self.offloaded_groups - n_groups))
 
     def _max_tokens_at(self, offloaded_groups: int) -> int:
-        return self.pool.size_for_rows(self.repartitioner.tokens_at(offloaded_groups))
+        return self.pool.size_for_rows(self.repartitioner.rows_at(offloaded_groups))
 
     @staticmethod
     def _check_groups(name: str, value: int, most: int) -> None:

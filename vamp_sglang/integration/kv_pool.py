@@ -66,7 +66,7 @@ class GrowablePool:
         self.kv = kv
         self.page_size = int(pool.page_size)
         self.baseline_tokens = int(pool.size)
-        self.baseline_rows = kv.token_capacity  # rows mapped at start (>= baseline_tokens + page_size)
+        self.baseline_rows = kv.row_capacity  # rows mapped at start (>= baseline_tokens + page_size)
         pool.k_buffer = [self._alias(t) for t in kv.k_buffers]
         pool.v_buffer = [self._alias(t) for t in kv.v_buffers]
 
@@ -79,9 +79,9 @@ class GrowablePool:
         like SGLang's own buffers (they held expert bytes a moment ago); a rollback passes False
         because it may restore a size whose tail rows are not mapped again yet."""
         old_rows, new_rows = self.pool.size + self.page_size, new_tokens + self.page_size
-        if new_rows > self.kv.max_token_capacity:
+        if new_rows > self.kv.max_row_capacity:
             raise KVShrinkError(f"pool size {new_tokens} needs {new_rows} rows, the buffers reserve "
-                                f"{self.kv.max_token_capacity}")
+                                f"{self.kv.max_row_capacity}")
         for sglang_view, buffer in zip([*self.pool.k_buffer, *self.pool.v_buffer],
                                        [*self.kv.k_buffers, *self.kv.v_buffers]):
             sglang_view.set_(buffer.untyped_storage(), 0, (new_rows, *buffer.shape[1:]))
@@ -101,7 +101,7 @@ def lay_pool_over_growable(pool: Any, backend: PageBackend, layout: ExpertLayout
     `MHATokenToKVPool._create_buffers_normal`); the backend is the one the expert pages live in."""
     check_pool(pool)
     kv = GrowableKVBuffers.for_layout(backend, layout, int(pool.layer_num), pool.head_num, pool.head_dim,
-                                      pool.store_dtype, initial_tokens=pool.size + pool.page_size,
+                                      pool.store_dtype, initial_rows=pool.size + pool.page_size,
                                       row_multiple=pool.page_size)
     for buffer in [*kv.k_buffers, *kv.v_buffers]:
         buffer.zero_()

@@ -32,20 +32,20 @@ class GrowableKVBuffers:
     """`k_buffers[l]` and `v_buffers[l]`, each `[rows, heads, head_dim]`, growable in place."""
 
     def __init__(self, backend: PageBackend, layers: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 initial_tokens: int, max_tokens: int, row_multiple: int = 1) -> None:
+                 initial_rows: int, max_rows: int, row_multiple: int = 1) -> None:
         for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim),
-                            ("initial_tokens", initial_tokens), ("row_multiple", row_multiple)):
+                            ("initial_rows", initial_rows), ("row_multiple", row_multiple)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive (got {value})")
-        if max_tokens < initial_tokens:
-            raise ValueError(f"max_tokens {max_tokens} must be >= initial_tokens {initial_tokens}")
+        if max_rows < initial_rows:
+            raise ValueError(f"max_rows {max_rows} must be >= initial_rows {initial_rows}")
         self.backend = backend
         self.heads, self.head_dim, self.dtype = heads, head_dim, dtype
         self.row_bytes = heads * head_dim * dtype.itemsize
         self.row_multiple = row_multiple
         gran = backend.granularity_bytes
-        self.max_pages_per_buffer = pages_for_rows(max_tokens, self.row_bytes, gran, row_multiple)
-        initial_pages = pages_for_rows(initial_tokens, self.row_bytes, gran, row_multiple)
+        self.max_pages_per_buffer = pages_for_rows(max_rows, self.row_bytes, gran, row_multiple)
+        initial_pages = pages_for_rows(initial_rows, self.row_bytes, gran, row_multiple)
         self._regions: list[PagedRegion] = []
         try:
             for _ in range(2 * layers):
@@ -60,14 +60,14 @@ class GrowableKVBuffers:
 
     @classmethod
     def for_layout(cls, backend: PageBackend, layout: ExpertLayout, layers: int, heads: int, head_dim: int,
-                   dtype: torch.dtype, initial_tokens: int, row_multiple: int = 1) -> GrowableKVBuffers:
+                   dtype: torch.dtype, initial_rows: int, row_multiple: int = 1) -> GrowableKVBuffers:
         """Buffers whose reservation holds the pool at the layout's offload bound (paper IV-C)."""
         gran = backend.granularity_bytes
         row_bytes = heads * head_dim * dtype.itemsize
-        pages = pages_for_rows(initial_tokens, row_bytes, gran, row_multiple) + kv_pages_per_buffer(
+        pages = pages_for_rows(initial_rows, row_bytes, gran, row_multiple) + kv_pages_per_buffer(
             layout.bound_groups, layout.pages_freed_per_group, 2 * layers)
-        max_tokens = kv_rows_for_bytes(pages * gran, row_bytes, row_multiple)
-        return cls(backend, layers, heads, head_dim, dtype, initial_tokens, max_tokens, row_multiple)
+        max_rows = kv_rows_for_bytes(pages * gran, row_bytes, row_multiple)
+        return cls(backend, layers, heads, head_dim, dtype, initial_rows, max_rows, row_multiple)
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
@@ -86,12 +86,12 @@ class GrowableKVBuffers:
         return self._regions[0].mapped_bytes // self.backend.granularity_bytes
 
     @property
-    def token_capacity(self) -> int:
+    def row_capacity(self) -> int:
         """Rows every K and V buffer holds now."""
         return self._buffers[0].shape[0]
 
     @property
-    def max_token_capacity(self) -> int:
+    def max_row_capacity(self) -> int:
         return self.rows_for_pages(self.max_pages_per_buffer)
 
     def rows_for_pages(self, pages_per_buffer: int) -> int:
@@ -106,13 +106,13 @@ class GrowableKVBuffers:
             raise VmmRuleError(f"grow: {len(handles)} pages do not split evenly over {self.n_buffers} buffers")
         if self.pages_per_buffer + per_buffer > self.max_pages_per_buffer:
             raise VmmRuleError(f"grow: {self.pages_per_buffer} + {per_buffer} pages per buffer exceed the "
-                               f"reservation of {self.max_pages_per_buffer} (raise max_tokens)")
+                               f"reservation of {self.max_pages_per_buffer} (raise max_rows)")
         with atomic(journal) as j:
             for b, region in enumerate(self._regions):  # one run per buffer: access set once (issue 10)
                 j.run(lambda r=region, hs=handles[b::self.n_buffers]: r.extend(hs),
                       lambda _, r=region: [r.pop_tail() for _ in range(per_buffer)])
             self._regrow(self.rows_for_pages(self.pages_per_buffer), j)
-        return self.token_capacity
+        return self.row_capacity
 
     def shrink(self, n_pages: int, tail_is_free: Callable[[int, int], bool],
                journal: Journal | None = None) -> list[PageHandle]:
@@ -121,8 +121,8 @@ class GrowableKVBuffers:
         if not 0 <= n_pages <= self.pages_per_buffer:
             raise VmmRuleError(f"shrink: n_pages must be in [0, {self.pages_per_buffer}] (got {n_pages})")
         new_rows = self.rows_for_pages(self.pages_per_buffer - n_pages)
-        if not tail_is_free(new_rows, self.token_capacity):
-            raise KVShrinkError(f"shrink: rows [{new_rows}, {self.token_capacity}) are not all free")
+        if not tail_is_free(new_rows, self.row_capacity):
+            raise KVShrinkError(f"shrink: rows [{new_rows}, {self.row_capacity}) are not all free")
         if journal is None:  # inside a transaction its owner synchronises once
             self.backend.synchronize()
         with atomic(journal, on_failure=self.backend.synchronize) as j:
@@ -132,7 +132,7 @@ class GrowableKVBuffers:
 
     def checksums(self, end_row: int | None = None) -> list[int]:
         """CRC32 of rows [0, end_row) of every buffer (integrity across remaps)."""
-        end = self.token_capacity if end_row is None else end_row
+        end = self.row_capacity if end_row is None else end_row
         return [bytes_checksum(t[:end]) for t in self._buffers]
 
     def close(self) -> None:
@@ -143,7 +143,7 @@ class GrowableKVBuffers:
         self._regions = []
 
     def _regrow(self, rows: int, journal: Journal) -> None:
-        old_rows = self.token_capacity
+        old_rows = self.row_capacity
         shape = (rows, self.heads, self.head_dim)
         for region, tensor in zip(self._regions, self._buffers):
             region.regrow(tensor, shape)

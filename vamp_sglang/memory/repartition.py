@@ -9,7 +9,9 @@ all of them, so no KV row in use and no expert byte is lost.
 
 Freed pages that do not split evenly over the K/V buffers are kept spare (at most n_buffers - 1 pages)
 and used first by the next offload or restore; the pool size is therefore a function of the number of
-offloaded groups alone, which is what lets TP ranks agree on it (`prepare`, paper V-A).
+offloaded groups alone, which is what lets TP ranks agree on it (`rows_gained`, paper V-A). Every
+count here is in buffer rows; the pool size SGLang schedules from (tokens) is the caller's, handed
+through each call to `on_pool_resize` unchanged.
 """
 
 from __future__ import annotations
@@ -26,10 +28,6 @@ from vamp_sglang.memory.layout import ExpertLayout, LayoutError, kv_pages_per_bu
 from vamp_sglang.memory.staging import StagingEngine
 
 
-class AgreementMismatch(RuntimeError):
-    """The tokens agreed across ranks differ from what this rank's remap would add."""
-
-
 @dataclass(frozen=True)
 class RepartitionStats:
     """The `/vamp/stats` `experts` and `kv_pool` figures."""
@@ -42,8 +40,8 @@ class RepartitionStats:
     offload_ratio: float
     reclaimed_bytes: int  # expert bytes unmapped from the expert tensors
     spare_bytes: int  # reclaimed but not yet usable by KV (uneven split over buffers)
-    pool_tokens: int
-    initial_pool_tokens: int
+    rows: int  # rows each K/V buffer serves now
+    initial_rows: int
     remap_s: float  # wall time inside offload/restore transactions, after the quiescing synchronise
     remapped_bytes: int  # expert bytes those transactions moved
 
@@ -56,11 +54,12 @@ class Repartitioner:
     """Moves the residency boundary of all eligible layers together; one instance per TP rank."""
 
     def __init__(self, layout: ExpertLayout, expert_stores: Sequence[ExpertStore], kv_buffers: GrowableKVBuffers,
-                 on_pool_resize: Callable[[int, int], None], *, tail_is_free: Callable[[int, int], bool],
+                 on_pool_resize: Callable[[int, int, int | None], None], *, tail_is_free: Callable[[int, int], bool],
                  staging: StagingEngine | None = None) -> None:
-        """`on_pool_resize(old_tokens, new_tokens)` publishes a new pool size (allocator free list and
-        every copy of the size); it is the last step of a transaction, and raising from it aborts the
-        remap. `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens."""
+        """`on_pool_resize(old_rows, new_rows, pool_tokens)` publishes the new pool size (`pool_tokens`,
+        as the caller passed it to offload/restore: allocator free list and every copy of the size);
+        it is the last step of a transaction, and raising from it aborts the remap.
+        `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens."""
         layer_ids = tuple(s.layer_id for s in expert_stores)
         if layer_ids != layout.eligible_layer_ids:
             raise LayoutError(f"expert_stores cover layers {layer_ids}, expected the eligible layers "
@@ -77,54 +76,55 @@ class Repartitioner:
         self.remap_s, self.remapped_bytes = 0.0, 0
         self._offloaded = self.stores[0].offloaded_groups if self.stores else 0
         self._base_pages = kv_buffers.pages_per_buffer - self._kv_extra_pages(self._offloaded)
-        self.initial_pool_tokens = kv_buffers.rows_for_pages(self._base_pages)
+        self.initial_rows = kv_buffers.rows_for_pages(self._base_pages)
         need = self._base_pages + self._kv_extra_pages(layout.bound_groups)
         if need > kv_buffers.max_pages_per_buffer:
             raise LayoutError(f"KV buffers reserve {kv_buffers.max_pages_per_buffer} pages each; the offload "
-                              f"bound needs {need} (raise max_tokens to {kv_buffers.rows_for_pages(need)})")
+                              f"bound needs {need} (raise max_rows to {kv_buffers.rows_for_pages(need)})")
 
     @property
     def offloaded_groups(self) -> int:
         return self._offloaded
 
-    def tokens_at(self, offloaded_groups: int) -> int:
+    def rows_at(self, offloaded_groups: int) -> int:
         """Pool rows with `offloaded_groups` groups offloaded from every eligible layer."""
         self.layout.check_offloaded_groups(offloaded_groups)
         return self.kv.rows_for_pages(self._base_pages + self._kv_extra_pages(offloaded_groups))
 
-    def prepare(self, n_groups: int) -> int:
-        """Tokens offloading `n_groups` more would add (read-only; what a rank reports for agreement)."""
-        return self.tokens_at(self._offloaded + n_groups) - self.tokens_at(self._offloaded)
+    def rows_gained(self, n_groups: int) -> int:
+        """Rows offloading `n_groups` more would add to each buffer (read-only)."""
+        return self.rows_at(self._offloaded + n_groups) - self.rows_at(self._offloaded)
 
-    def prepare_restore(self, n_groups: int) -> int:
-        """Tokens restoring `n_groups` would remove (read-only)."""
-        return self.tokens_at(self._offloaded) - self.tokens_at(self._offloaded - n_groups)
+    def rows_lost(self, n_groups: int) -> int:
+        """Rows restoring `n_groups` would remove from each buffer (read-only)."""
+        return self.rows_at(self._offloaded) - self.rows_at(self._offloaded - n_groups)
 
-    def offload(self, n_groups: int, expect_tokens: int | None = None) -> int:
-        """Transaction: n groups of every eligible layer to the KV tails; returns tokens added.
-        `expect_tokens` is the amount the ranks agreed on; a different local amount changes nothing."""
-        added = self._agree(self.prepare(n_groups), expect_tokens)
+    def offload(self, n_groups: int, pool_tokens: int | None = None) -> int:
+        """Transaction: n groups of every eligible layer to the KV tails; returns rows added.
+        `pool_tokens` is the pool size the caller publishes at the end (`on_pool_resize`)."""
+        added = self.rows_gained(n_groups)
         if n_groups == 0:
             return 0
         start = self._quiesce()
-        old_tokens, old = self.kv.token_capacity, self._offloaded
+        old_rows, old = self.kv.row_capacity, self._offloaded
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
             take = (self._kv_extra_pages(old + n_groups) - self._kv_extra_pages(old)) * self.kv.n_buffers
             pool = self._spare + freed
             self._set_state(old + n_groups, pool[take:], j)
-            new_tokens = self.kv.grow(pool[:take], j)
-            self._on_pool_resize(old_tokens, new_tokens)
+            new_rows = self.kv.grow(pool[:take], j)
+            self._on_pool_resize(old_rows, new_rows, pool_tokens)
         self._count_remap(start, n_groups)
         return added
 
-    def restore(self, n_groups: int, expect_tokens: int | None = None) -> int:
-        """Transaction: n groups back into every eligible layer from the KV tails; returns tokens removed."""
-        removed = self._agree(self.prepare_restore(n_groups), expect_tokens)
+    def restore(self, n_groups: int, pool_tokens: int | None = None) -> int:
+        """Transaction: n groups back into every eligible layer from the KV tails; returns rows removed.
+        `pool_tokens` is the pool size the caller publishes at the end (`on_pool_resize`)."""
+        removed = self.rows_lost(n_groups)
         if n_groups == 0:
             return 0
         start = self._quiesce()
-        old_tokens, old = self.kv.token_capacity, self._offloaded
+        old_rows, old = self.kv.row_capacity, self._offloaded
         per_store = n_groups * self.layout.pages_per_group_per_layer
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
             drop = self._kv_extra_pages(old) - self._kv_extra_pages(old - n_groups)
@@ -132,7 +132,7 @@ class Repartitioner:
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
             self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j)
-            self._on_pool_resize(old_tokens, self.kv.token_capacity)
+            self._on_pool_resize(old_rows, self.kv.row_capacity, pool_tokens)
         self._count_remap(start, n_groups)
         return removed
 
@@ -144,17 +144,11 @@ class Repartitioner:
             group_experts=lay.group_experts, bound_groups=lay.bound_groups, offloaded_groups=self._offloaded,
             offload_ratio=lay.offload_ratio(self._offloaded),
             reclaimed_bytes=self._offloaded * lay.bytes_freed_per_group, spare_bytes=len(self._spare) * gran,
-            pool_tokens=self.kv.token_capacity, initial_pool_tokens=self.initial_pool_tokens,
+            rows=self.kv.row_capacity, initial_rows=self.initial_rows,
             remap_s=self.remap_s, remapped_bytes=self.remapped_bytes)
 
     def _kv_extra_pages(self, offloaded_groups: int) -> int:
         return kv_pages_per_buffer(offloaded_groups, self.layout.pages_freed_per_group, self.kv.n_buffers)
-
-    def _agree(self, local_tokens: int, expect_tokens: int | None) -> int:
-        if expect_tokens is not None and expect_tokens != local_tokens:
-            raise AgreementMismatch(f"ranks agreed on {expect_tokens} tokens, this rank's remap gives "
-                                    f"{local_tokens}")
-        return local_tokens
 
     def _quiesce(self) -> float:
         """No copy or kernel may touch pages while they move: the one synchronise before a transaction
