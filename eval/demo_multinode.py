@@ -119,7 +119,7 @@ def _per_rank(log: Path) -> list[list[dict]]:
 
 def _digest(decisions: list[dict]) -> list[tuple]:
     """What two ranks must agree on: when, what, how many tokens, and the pool size after."""
-    return [(d["step"], d["plan"]["action"], d["outcome"]["tokens_added"], d["outcome"]["pool_tokens"])
+    return [(d["step"], d["plan"]["action"], d["outcome"].get("tokens_added", 0), d["outcome"]["pool_tokens"])
             for d in decisions]
 
 
@@ -223,7 +223,7 @@ def report(results: dict[str, dict], decisions: dict[str, list[list[dict]]], net
         checks |= {
             "node 1 with another key: rejected and logged on node 0": bool(networks["wrong_key"]["rejections"]),
             "node 1 with another key: no remap on any rank": not any(
-                d["outcome"]["tokens_added"] for rank in wrong for d in rank),
+                d["outcome"].get("tokens_added", 0) for rank in wrong for d in rank),
             "node 1 with another key: greedy outputs identical to TP 1":
                 digests["wrong_key"] == digests["tp1"],
         }
