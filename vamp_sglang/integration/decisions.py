@@ -92,7 +92,7 @@ class DecisionMaker:
         self._retracted_at: dict[str, float] = {}  # rid -> when SGLang retracted it (t_queue, Eq. 4)
         self._staging_wait_seen_s = 0.0  # the staging engine's total wait at the last forward
         self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
-        self.decode_timer = PrefillTimer(memory.experts.backend.device)  # decode steps, for the TPOT guard
+        self._last_decode_start_s: float | None = None  # TPOT guard: start of the previous decode step
         self.guard = TpotGuard(self.config.tpot_slo_ms) if self.config.tpot_slo_ms else None
         self._guard_cap: int | None = None  # the guard's cap agreed by the ranks (several ranks only)
         self._guard_cap_at_step = 0
@@ -342,11 +342,16 @@ class DecisionMaker:
         groups = self.memory.offloaded_groups
         if groups:
             self.calibrator.observe_staging(groups * self.memory.layout.group_experts, waited_s)
-        if self.guard is not None:
-            for _, seconds in self.decode_timer.completed():
-                self.guard.observe_decode_step(seconds * 1e3, groups)
-            if decode and groups:
-                self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)
+        if self.guard is not None and decode and groups:
+            self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)
+
+    def before_decode_step(self) -> None:
+        """TPOT as a running request sees it: the time from one decode step to the next (prefill
+        chunks in between included), for the guard; an idle poll breaks the chain."""
+        now = time.perf_counter()
+        if self.guard is not None and self._last_decode_start_s is not None:
+            self.guard.observe_decode_step((now - self._last_decode_start_s) * 1e3, self.memory.offloaded_groups)
+        self._last_decode_start_s = now
 
     def on_retracted(self, reqs: list[Any]) -> None:
         now = time.perf_counter()
@@ -524,10 +529,9 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
     if batch.forward_mode.is_extend() and batch.extend_num_tokens:
         with decider.prefill_timer.measure(int(batch.extend_num_tokens), stream):
             result = original(scheduler, batch, *args, **kwargs)
-    elif decode and decider.guard is not None:
-        with decider.decode_timer.measure(batch.batch_size(), stream):
-            result = original(scheduler, batch, *args, **kwargs)
     else:
+        if decode:
+            decider.before_decode_step()
         result = original(scheduler, batch, *args, **kwargs)
     for tokens, seconds in decider.prefill_timer.completed():
         decider.calibrator.observe_prefill(tokens, seconds)
@@ -539,6 +543,7 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
 def _before_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     decider = maker()
     if decider is not None and scheduler.is_fully_idle():
+        decider._last_decode_start_s = None  # the next decode step starts a new chain
         decider.maybe_restore(idle=True)
 
 

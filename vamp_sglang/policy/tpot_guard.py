@@ -5,8 +5,9 @@ each offloaded group adds copy time to the step; the paper measures TPOT +31% at
 shows an oversized ratio costs TPOT (VI-E). The cost model (Eq. 3) weighs reloads against
 re-prefill, but knows no latency target. The guard does:
 
-- measure the decode step time online (an exponentially weighted mean of the steps the caller
-  times; on GPU the caller times on the device clock), which is the TPOT a running request sees;
+- measure the decode step time online (an exponentially weighted mean of what the caller times:
+  the integration takes the interval from one decode step to the next, prefill chunks in between
+  included), which is the TPOT a running request sees;
 - measure the staging cost per offloaded group (the step's staging copy time over the groups it
   staged), smoothed the same way, or start from a prior (bytes per group / copy bandwidth);
 - project the TPOT after offloading n more groups as step time + n x cost per group, as if the
