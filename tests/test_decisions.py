@@ -267,3 +267,25 @@ def test_the_tpot_guard_caps_what_a_decision_may_offload(maker):
     dm.guard.observe_decode_step(400.0, 0)
     assert dm.guard_cap_groups() == 0
     assert dm.stats()["tpot_guard"]["cap_groups"] == 0
+
+
+def test_an_error_in_restore_bookkeeping_never_reaches_the_scheduler(maker, monkeypatch):
+    from vamp_sglang.integration import compaction
+
+    dm = maker.make()
+    maker.memory.offload(2, maker.memory.tokens_for(2))
+    dm.refresh_view()
+    held = maker.alloc.alloc(maker.alloc.available_size() - 60)
+    cache_prompts(maker, 2, 30)  # the tree holds the pool's last rows: the restore must move them
+    maker.alloc.free(held)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in compaction")
+
+    monkeypatch.setattr(compaction, "compact_tail", broken)
+    maker.scheduler.is_fully_idle = lambda: True
+    decisions._before_on_idle(maker.scheduler)  # the server went idle
+    clock = [time.monotonic() + 11.0]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    decisions._before_on_idle(maker.scheduler)  # 11 s later: would raise into SGLang's event loop before
+    assert dm.counts["errors"] == 1 and maker.memory.offloaded_groups == 2

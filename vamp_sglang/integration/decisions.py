@@ -307,8 +307,12 @@ class DecisionMaker:
             groups = self._agree_value(groups)
         if groups == 0:
             return 0
-        added = self._agreed_remap(self.memory.tokens_for(groups),
-                                   lambda tokens: self.memory.offload(groups, tokens),
+        try:
+            proposal = self.memory.tokens_for(groups)
+        except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
+            self._decision_error(e, None)
+            proposal = 0
+        added = self._agreed_remap(proposal, lambda tokens: self.memory.offload(groups, tokens),
                                    lambda: self.memory.restore(groups))
         if added:
             self.refresh_view()
@@ -414,13 +418,17 @@ class DecisionMaker:
         if proposal == 0:
             return
         self.next_idle_check = 1  # after an attempt, look again at once: one step at a time
-        if chosen.evict_tokens:
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        try:
+            if chosen.evict_tokens:
+                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-            scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens))
-        if chosen.compact:
-            compaction.compact_tail(scheduler.tree_cache, allocator, keep_tokens)
-        restorable = groups if self.memory.restorable_groups() >= groups else 0
+                scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens))
+            if chosen.compact:
+                compaction.compact_tail(scheduler.tree_cache, allocator, keep_tokens)
+            restorable = groups if self.memory.restorable_groups() >= groups else 0
+        except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
+            self._decision_error(e, None)
+            restorable = 0
         restored = self._agreed_remap(restorable, lambda _: self.memory.restore(groups),
                                       lambda: self.memory.offload(groups, self.memory.tokens_for(groups)))
         self.log.record_restore(step=self.runtime.step, state=state, plan=chosen, restored_groups=groups
@@ -533,10 +541,13 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
         if decode:
             decider.before_decode_step()
         result = original(scheduler, batch, *args, **kwargs)
-    for tokens, seconds in decider.prefill_timer.completed():
-        decider.calibrator.observe_prefill(tokens, seconds)
-    decider.after_forward(decode)
-    decider.maybe_restore()
+    try:  # our bookkeeping must never take the scheduler down
+        for tokens, seconds in decider.prefill_timer.completed():
+            decider.calibrator.observe_prefill(tokens, seconds)
+        decider.after_forward(decode)
+        decider.maybe_restore()
+    except Exception as e:  # noqa: BLE001
+        decider._decision_error(e, None)
     return result
 
 
@@ -544,7 +555,10 @@ def _before_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     decider = maker()
     if decider is not None and scheduler.is_fully_idle():
         decider._last_decode_start_s = None  # the next decode step starts a new chain
-        decider.maybe_restore(idle=True)
+        try:
+            decider.maybe_restore(idle=True)
+        except Exception as e:  # noqa: BLE001 - our bookkeeping must never take the scheduler down
+            decider._decision_error(e, None)
 
 
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
