@@ -2,10 +2,11 @@
 
 Restoring experts shrinks the KV pool from its tail, which is allowed only over free rows. After a
 busy period the tail rows usually hold cached prefixes: evicting them would throw away exactly the
-reuse VAMP exists to keep. Instead, while the scheduler is fully idle (no request holds a row, so
-the radix tree is the only owner of every used row), each tail row the tree holds is copied to a
-free row below the new size and the tree node's index is rewritten. Output is unchanged: the same
-K/V bytes, at another row. Page size 1 only (the allocator's ids are rows).
+reuse VAMP exists to keep. Instead, each tail row held by an unlocked tree node (no running request
+uses it: the tree is its only owner) is copied to a free row below the new size and the node's
+index is rewritten. That works while requests run, as long as none of them holds a tail row
+(`tail_is_movable`). Output is unchanged: the same K/V bytes, at another row. Page size 1 only
+(the allocator's ids are rows).
 """
 
 from __future__ import annotations
@@ -17,24 +18,43 @@ import torch
 from vamp_sglang.integration import radix
 
 
-def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
-    """Move every tree-held row above `keep_tokens` to a free row at or below it. All or nothing:
-    returns the rows moved, or 0 (nothing changed) when there are not enough free low rows."""
+def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(node value, mask of its rows above `keep_tokens`) for every unlocked tree node holding such
+    rows: only the tree refers to those rows, so they may move while requests run."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    if allocator.page_size != 1:
-        return 0
     held = []
     for node in radix.tree_core_of(tree_cache).device_nodes():
+        if any(cd.lock_ref > 0 for cd in node.component_data):
+            continue
         value = node.component_data[ComponentType.FULL].value
         if value is not None and value.numel():
             mask = value > keep_tokens
             if bool(mask.any()):
                 held.append((value, mask))
+    return held
+
+
+def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
+    """Whether every used row above `keep_tokens` belongs to an unlocked tree node (page size 1):
+    then eviction and compaction can free the tail without touching a running request."""
+    if allocator.page_size != 1:
+        return False
+    free = allocator.get_all_free_pages()
+    used_above = (int(allocator.size) - keep_tokens) - int((free > keep_tokens).sum())
+    return used_above == sum(int(mask.sum()) for _, mask in _movable_tail(tree_cache, keep_tokens))
+
+
+def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
+    """Move every unlocked tree node's row above `keep_tokens` to a free row at or below it. All or
+    nothing: returns the rows moved, or 0 (nothing changed) when there are not enough free low rows."""
+    if allocator.page_size != 1:
+        return 0
+    held = _movable_tail(tree_cache, keep_tokens)
     if not held:
         return 0
     src = torch.cat([value[mask] for value, mask in held])
-    free = allocator.free_pages
+    free = allocator.get_all_free_pages()  # the sorted free list and the lazily released ids
     low = free[free <= keep_tokens]
     if low.numel() < src.numel():
         return 0
@@ -48,4 +68,6 @@ def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
         value[mask] = dst[offset: offset + count]
         offset += count
     allocator.free_pages = torch.cat([free[~torch.isin(free, dst)], src.to(free.dtype)])
+    if allocator.release_pages is not None:
+        allocator.release_pages = allocator.release_pages[:0]  # merged into free_pages above
     return int(src.numel())

@@ -411,7 +411,8 @@ class DecisionMaker:
             expand_groups=self.config.expand_groups, pool_tokens=self.memory.pool_tokens,
             keep_tokens=keep_tokens, used_tokens=self.memory.pool_tokens - free,
             evictable_tokens=int(scheduler.tree_cache.evictable_size()), baseline_tokens=self.runtime.baseline_tokens,
-            tail_free=self.memory.restorable_groups() >= groups, can_compact=idle and allocator.page_size == 1)
+            tail_free=self.memory.restorable_groups() >= groups,
+            can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens))
         chosen = plan_restore(state)
         self.calm_steps = 0  # one attempt per calm period, restored or not
         proposal = self._agree_value(chosen.groups)  # go ahead only if every rank can

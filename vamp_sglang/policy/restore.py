@@ -4,15 +4,15 @@ A restore shrinks the KV pool from its tail by one expand step, which is allowed
 rows, and makes decode cheaper again (fewer offloaded experts to stage). Two triggers, both pure
 functions of a `RestoreState` so every restore is logged and replayed like a shortfall plan:
 
-- busy: the pool has stayed calm (after giving one step back, a quarter of the start-up pool would
-  still be free) for `restore_after_steps` scheduler steps, or the TPOT guard saw decode stay above
-  its SLO (`--vamp-tpot-slo-ms`). Only free tail rows are given back: nothing is evicted while
-  requests run (rows above the smaller pool may be held by running requests).
-- idle: no request at all for `idle_restore_s` seconds of wall-clock time (never scheduler polls,
-  which come every second with --sleep-on-idle and thousands of times a second without it). Then
-  the cached prefixes that do not fit the smaller pool are evicted cheapest first, only if that
-  and moving the rest off the tail (compaction, page size 1) frees every row the restore drops,
-  so no prefix is evicted for a restore that cannot happen.
+- busy, calm: the pool has stayed calm (after giving one step back, a quarter of the start-up pool
+  would still be free) for `restore_after_steps` scheduler steps. Cached rows in the tail are moved
+  below the smaller pool (compaction); nothing is evicted.
+- busy, over the TPOT SLO (`--vamp-tpot-slo-ms`): decode has stayed above it while offloaded.
+- idle: no request at all for `IDLE_RESTORE_S` seconds of wall-clock time (never scheduler polls,
+  which come every second with --sleep-on-idle and thousands of times a second without it).
+In the last two, the cached prefixes that do not fit the smaller pool are evicted cheapest first.
+A restore goes ahead only if that and compaction free every row it drops (no running request may
+hold a tail row), so no prefix is evicted for a restore that cannot happen.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class RestoreState:
     evictable_tokens: int  # rows the tree could evict now
     baseline_tokens: int  # the start-up pool
     tail_free: bool  # every row above keep_tokens is free already
-    can_compact: bool  # tree-held rows may be moved below keep_tokens (page size 1, server idle)
+    can_compact: bool  # every used row above keep_tokens is an unlocked tree node's (page size 1)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -67,20 +67,23 @@ def plan_restore(s: RestoreState) -> RestorePlan:
     groups = min(s.expand_groups, s.offloaded_groups)
     if not s.restore_after_steps or groups == 0:
         return RestorePlan(0, 0, False, "nothing offloaded or restoring disabled")
-    if not s.idle:
-        why = "decode over the TPOT SLO" if s.tpot_over_slo else f"calm for {s.calm_steps} steps"
-        if not s.tpot_over_slo and s.calm_steps < s.restore_after_steps:
-            return RestorePlan(0, 0, False, f"calm for {s.calm_steps} of {s.restore_after_steps} steps")
-        if not s.tail_free:
-            return RestorePlan(0, 0, False, f"{why}, but the tail rows are in use")
-        return RestorePlan(groups, 0, False, why)
-    if s.idle_s < IDLE_RESTORE_S:
-        return RestorePlan(0, 0, False, f"idle for {s.idle_s:.1f} of {IDLE_RESTORE_S:.0f} s")
+    if s.idle:
+        if s.idle_s < IDLE_RESTORE_S:
+            return RestorePlan(0, 0, False, f"idle for {s.idle_s:.1f} of {IDLE_RESTORE_S:.0f} s")
+        why = f"idle for {s.idle_s:.1f} s"
+    elif s.tpot_over_slo:
+        why = "decode over the TPOT SLO"
+    elif s.calm_steps >= s.restore_after_steps:
+        why = f"calm for {s.calm_steps} steps"
+    else:
+        return RestorePlan(0, 0, False, f"calm for {s.calm_steps} of {s.restore_after_steps} steps")
     if s.tail_free:
-        return RestorePlan(groups, 0, False, f"idle for {s.idle_s:.1f} s, tail free")
+        return RestorePlan(groups, 0, False, f"{why}, tail free")
     if not s.can_compact:
-        return RestorePlan(0, 0, False, "idle, but tail rows are held and cannot be moved")
+        return RestorePlan(0, 0, False, f"{why}, but running requests hold tail rows (or the pool is paged)")
     evict_tokens = max(s.used_tokens - s.keep_tokens, 0)
     if evict_tokens > s.evictable_tokens:
-        return RestorePlan(0, 0, False, "idle, but the smaller pool cannot hold what must stay")
-    return RestorePlan(groups, evict_tokens, True, f"idle for {s.idle_s:.1f} s: evict {evict_tokens}, compact")
+        return RestorePlan(0, 0, False, f"{why}, but the smaller pool cannot hold what must stay")
+    if evict_tokens and not (s.idle or s.tpot_over_slo):
+        return RestorePlan(0, 0, False, f"{why}, but a calm restore never evicts")
+    return RestorePlan(groups, evict_tokens, True, f"{why}: evict {evict_tokens}, compact")
