@@ -3,8 +3,10 @@
 For each TP size, one server through our launcher (VAMP-20, a pool far below the sessions'
 prefixes, `VAMP_SGLANG_FAULT` as given) gets M minutes of the closed-loop multi-turn workload from
 several client threads, with random client aborts (a streamed request dropped after its first
-chunks, i.e. a disconnect) and think times. Then the load stops and the server idles until the
-experts are back. Printed and written as JSON (plus a PNG of pool size and RSS over time):
+chunks, i.e. a disconnect) and think times. Every few minutes the clients pause long enough for
+the idle restore (so the pool shrinks and grows again, and the remap faults get many chances).
+Then the load stops and the server idles until the experts are back. Printed and written as JSON
+(plus a PNG of pool size and RSS over time):
 
 - requests served, aborted by the client, and failed (an error, or an abort the client did not ask
   for); goal: 0 failed;
@@ -36,6 +38,7 @@ ABORT_PROBABILITY = 0.1  # of a request being streamed and dropped after its fir
 THINK_S = (0.0, 1.0)
 SAMPLE_EVERY_S = 5.0
 WARMUP_FRACTION = 0.2  # RSS growth is measured from here to the end of the load
+PAUSE_EVERY_S, PAUSE_S = 150.0, 25.0  # clients pause this long this often: experts come back, then go again
 
 
 class Tally:
@@ -68,11 +71,12 @@ def _disconnect_midway(url: str, ids: list[int]) -> None:
                 break
 
 
-def _client(url: str, seed: int, stop_at: float, tally: Tally) -> None:
+def _client(url: str, seed: int, stop_at: float, tally: Tally, running: threading.Event) -> None:
     rng = random.Random(seed)
     while time.monotonic() < stop_at:
         ids: list[int] = []
         for _ in range(TURNS):
+            running.wait()
             if time.monotonic() >= stop_at:
                 return
             ids += [rng.randrange(10, 2000) for _ in range(FIRST_TOKENS if not ids else GROWTH_TOKENS)]
@@ -115,22 +119,29 @@ def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str) -> dict:
                           env=(("VAMP_SGLANG_FAULT", fault),))
     with Server(setup, config) as server:
         url, start_stats = server.url, get_json(f"{server.url}/vamp/stats")
-        tally, samples = Tally(), []
+        tally, samples, running = Tally(), [], threading.Event()
+        running.set()
         begin = time.monotonic()
         stop_at = begin + minutes * 60
-        clients = [threading.Thread(target=_client, args=(url, 1000 * tp + i, stop_at, tally), daemon=True)
+        clients = [threading.Thread(target=_client, args=(url, 1000 * tp + i, stop_at, tally, running), daemon=True)
                    for i in range(CLIENTS)]
         for c in clients:
             c.start()
         with tqdm(total=int(minutes * 60), desc=f"soak TP{tp}", unit="s") as bar:
             while time.monotonic() < stop_at:
                 time.sleep(SAMPLE_EVERY_S)
+                phase_s = (time.monotonic() - begin) % PAUSE_EVERY_S
+                if phase_s >= PAUSE_EVERY_S - PAUSE_S:
+                    running.clear()
+                else:
+                    running.set()
                 stats = get_json(f"{url}/vamp/stats")
                 samples.append({"t_s": round(time.monotonic() - begin, 1), "pool_tokens": stats["kv_pool"]["tokens"],
                                 "offloaded_groups": stats["experts"]["offloaded_groups"],
                                 "rss_bytes": _rss_bytes(server.process.pid)})
                 bar.n = min(int(time.monotonic() - begin), bar.total)
                 bar.set_postfix(served=tally.served, failed=tally.failed, pool=samples[-1]["pool_tokens"])
+        running.set()
         for c in clients:
             c.join()
         end_rss = _rss_bytes(server.process.pid)
