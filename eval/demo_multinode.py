@@ -154,7 +154,8 @@ def run_two_nodes(setup: ServerSetup, flags: tuple[str, ...], key_files: tuple[s
     return result, {"ports": ports, "listening": bound,
                     "rejected_on_node0": [x for x in logged["0"] if "vamp controller: rank 0 rejected" in x],
                     "refused_on_node1": [x for x in logged["1"] if "handshakes with the leader" in x
-                                         or "handshake with the leader" in x]}
+                                         or "handshake with the leader" in x],
+                    "timed_out_on_node0": [x for x in logged["0"] if "did not answer round" in x]}
 
 
 def main(argv: list[str] | None = None) -> int:
