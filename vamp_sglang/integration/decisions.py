@@ -93,6 +93,7 @@ class DecisionMaker:
         self._staging_wait_seen_s = 0.0  # the staging engine's total wait at the last forward
         self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
         self._last_decode_start_s: float | None = None  # TPOT guard: start of the previous decode step
+        self._resident_step_ms: float | None = None  # TPOT guard: smoothed step time with nothing offloaded
         self.guard = TpotGuard(self.config.tpot_slo_ms) if self.config.tpot_slo_ms else None
         self._guard_cap: int | None = None  # the guard's cap agreed by the ranks (several ranks only)
         self._guard_cap_at_step = 0
@@ -346,15 +347,24 @@ class DecisionMaker:
         groups = self.memory.offloaded_groups
         if groups:
             self.calibrator.observe_staging(groups * self.memory.layout.group_experts, waited_s)
-        if self.guard is not None and decode and groups:
-            self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)
+        if self.guard is not None and decode and groups and self._resident_step_ms is None:
+            self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)  # until a marginal exists
 
     def before_decode_step(self) -> None:
         """TPOT as a running request sees it: the time from one decode step to the next (prefill
-        chunks in between included), for the guard; an idle poll breaks the chain."""
+        chunks in between included), for the guard; an idle poll breaks the chain. The staging cost
+        per group the guard projects with is the step time's excess over steps with nothing
+        offloaded: copies hidden behind compute cost nothing, and copies that steal compute (the
+        host path on few cores) cost what they steal, which the copy time alone does not show."""
         now = time.perf_counter()
+        groups = self.memory.offloaded_groups
         if self.guard is not None and self._last_decode_start_s is not None:
-            self.guard.observe_decode_step((now - self._last_decode_start_s) * 1e3, self.memory.offloaded_groups)
+            step_ms = (now - self._last_decode_start_s) * 1e3
+            self.guard.observe_decode_step(step_ms, groups)
+            if groups == 0:
+                self._resident_step_ms = _smooth(self._resident_step_ms, step_ms)
+            elif self._resident_step_ms is not None:
+                self.guard.observe_staging(groups, max(step_ms - self._resident_step_ms, 0.0))
         self._last_decode_start_s = now
 
     def on_retracted(self, reqs: list[Any]) -> None:
@@ -460,6 +470,10 @@ class DecisionMaker:
         }
 
     _last_action = "none"
+
+
+def _smooth(current: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if current is None else current + weight * (sample - current)
 
 
 def allocator_page(tree_cache: Any) -> int:
