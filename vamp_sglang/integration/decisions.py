@@ -277,8 +277,12 @@ class DecisionMaker:
         added = self.offload(groups)
         if chosen is None:
             return added
-        # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined
-        self.runtime.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
+        # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined;
+        # at admission only an offload that happened counts (the rest is an admission refusal)
+        if log_site != "admission":
+            self.runtime.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
+        elif added:
+            self.runtime.decisions["offload"] += 1
         if groups and not added:
             self.counts["offload_failures"] += 1
         if site == "decode" and added >= gap > sum(b.tokens for b in snapshot.evictable):
@@ -322,8 +326,13 @@ class DecisionMaker:
         return added
 
     # --- admission ---------------------------------------------------------------------------------
-    def admission_headroom_tokens(self) -> int:
-        return self.offer().headroom_tokens
+    def admission_headroom_tokens(self, may_agree: bool = True) -> int:
+        """KV tokens offloading may still add for admission: the headroom, capped by the TPOT guard.
+        `may_agree` False (stats requests) reads the last agreed cap instead of starting a round."""
+        view = self.offer()
+        cap = self.guard_cap_groups() if may_agree or self.controller.world_size == 1 else self._guard_cap
+        groups = view.headroom_groups if cap is None else min(view.headroom_groups, cap)
+        return view.tokens_by_groups[groups - 1] if groups else 0
 
     def grow_for_admission(self, short_tokens: int) -> bool:
         """A request fits only with offload headroom: offload now, before it is admitted. False
@@ -457,7 +466,7 @@ class DecisionMaker:
             "recent_decisions": self.log.recent(),
             "coefficients": {**c.as_overrides(), "calibrated": self.config.calibrate},
             "calibration": self.calibrator.stats(),
-            "admission_headroom_tokens": self.admission_headroom_tokens(),
+            "admission_headroom_tokens": self.admission_headroom_tokens(may_agree=False),
             "decision_errors": self.counts["errors"],
             "failures": {"offload": self.counts["offload_failures"], "restore": self.counts["restore_failures"],
                          "admission_refusals": self.counts["admission_refusals"],
