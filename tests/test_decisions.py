@@ -226,6 +226,7 @@ def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree():
     for ctl, spec in zip(controllers, (None, "agree-timeout:1")):
         dm = object.__new__(decisions.DecisionMaker)  # only the agreement part: no memory needed
         dm.controller, dm.faults, dm.round_id = ctl, Faults.parse(spec, seed=0), 0
+        dm.runtime, dm.counts, dm._rounds_blocked_until_step = SimpleNamespace(step=0), {"missed_rounds": 0}, 0
         makers.append(dm)
 
     def round_on_both(proposals):
@@ -240,9 +241,13 @@ def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree():
 
     try:
         assert round_on_both((100, 50)) == [0, 0]  # rank 1 was late: nobody remaps
-        assert makers[1].faults.fired["agree-timeout"] == 1
+        assert makers[1].faults.fired["agree-timeout"] == 1 and makers[0].counts["missed_rounds"] == 1
         makers[1].faults = Faults.parse(None)
-        assert round_on_both((100, 50)) == [50, 50]  # and the next round agrees as usual
+        rounds = [dm.round_id for dm in makers]  # both back off alike: no rounds (no time-outs) for a while
+        assert round_on_both((100, 50)) == [0, 0] and [dm.round_id for dm in makers] == rounds
+        for dm in makers:
+            dm.runtime.step = decisions.ROUND_BACKOFF_STEPS
+        assert round_on_both((100, 50)) == [50, 50]  # then the rounds resume in step
     finally:
         for ctl in controllers:
             ctl.close()

@@ -28,7 +28,7 @@ def test_over_the_tpot_slo_a_step_comes_back_evicting_only_as_far_as_needed():
 
 
 def test_nothing_is_evicted_when_the_restore_cannot_happen():
-    for blocked in (dict(can_compact=False), dict(used_tokens=9000)):  # a request holds the tail / too full
+    for blocked in ({"can_compact": False}, {"used_tokens": 9000}):  # a request holds the tail / too full
         p = plan(tpot_over_slo=True, **blocked)
         assert (p.groups, p.evict_tokens) == (0, 0), p
 

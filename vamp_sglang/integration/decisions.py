@@ -45,6 +45,7 @@ from vamp_sglang.policy.tpot_guard import TpotGuard
 logger = logging.getLogger(__name__)
 
 OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
+ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many steps
 COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
 LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
 _site: contextvars.ContextVar[tuple[str, Any]] = contextvars.ContextVar("vamp_site", default=("prefill", None))
@@ -85,7 +86,8 @@ class DecisionMaker:
         self.next_idle_check = 1  # poll count of the next idle check (doubles: 1, 2, 4, ...)
         self.offload_blocked_until_step = 0
         self.counts = {"errors": 0, "offload_failures": 0, "admission_offloads": 0, "admission_refusals": 0,
-                       "restore_failures": 0}
+                       "restore_failures": 0, "missed_rounds": 0}
+        self._rounds_blocked_until_step = 0  # after a TP rank missed a round (several ranks only)
         self._logged_errors: set[str] = set()
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
@@ -109,15 +111,27 @@ class DecisionMaker:
             time.sleep(LATE_ROUND_FACTOR * self.controller.timeout_s)
         return self.round_id, self.controller.agree_min(self.round_id, value)
 
-    def _agree_value(self, value: int) -> int:
+    def _agree_value(self, value: int, fallback: int = 0) -> int:
+        """The minimum of `value` over ranks, or `fallback` when a rank missed the round. After a
+        missed round the ranks hold no rounds for ROUND_BACKOFF_STEPS steps (all live ranks saw it,
+        so they back off alike): a lost rank must not make every shortfall wait out time-outs."""
         if self.controller.world_size == 1:
             return value
+        if self.runtime.step < self._rounds_blocked_until_step:
+            return fallback
         round_id, agreed = self._agree_min(value)
-        self.controller.all_ok(round_id, True)
+        if not self.controller.all_ok(round_id, True):  # every rank voted yes: a rank was missing
+            self.counts["missed_rounds"] += 1
+            self._rounds_blocked_until_step = self.runtime.step + ROUND_BACKOFF_STEPS
+            logger.warning("vamp: a TP rank missed agreement round %d; no remaps for %d steps",
+                           round_id, ROUND_BACKOFF_STEPS)
+            return fallback
         return agreed
 
     def _agreed_remap(self, proposal: int, apply: Any, undo: Any) -> int:
         """The controller's pattern: agree on min(proposal), apply it everywhere, undo unless all ok."""
+        if self.controller.world_size > 1 and self.runtime.step < self._rounds_blocked_until_step:
+            return 0
         round_id, common = self._agree_min(proposal) if self.controller.world_size > 1 else (0, proposal)
         ok, applied = True, False
         if common > 0:
@@ -154,8 +168,11 @@ class DecisionMaker:
         self.view = OffloadView(headroom, local)
 
     def offer(self) -> OffloadView:
-        """The headroom plans and admission may use now (none for a while after a failed offload)."""
-        return NO_HEADROOM if self.runtime.step < self.offload_blocked_until_step else self.view
+        """The headroom plans and admission may use now (none for a while after a failed offload or
+        a missed agreement round)."""
+        step = self.runtime.step
+        blocked = step < self.offload_blocked_until_step or step < self._rounds_blocked_until_step
+        return NO_HEADROOM if blocked else self.view
 
     def guard_cap_groups(self) -> int | None:
         """The most groups the TPOT guard lets one decision offload now (None: no guard). Timings differ
@@ -181,7 +198,8 @@ class DecisionMaker:
             return measured
         step = self.runtime.step
         if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:
-            ns = {name: self._agree_value(int(getattr(measured, name) * 1e9))
+            ns = {name: self._agree_value(int(getattr(measured, name) * 1e9),  # a missed round: configured
+                                          fallback=int(getattr(self.base_coefficients, name) * 1e9))
                   for name in ("t_prefill_s", "c_reload_s", "t_queue_s")}
             self._agreed = dataclasses.replace(measured, **{name: v / 1e9 for name, v in ns.items()})
             self._agreed = dataclasses.replace(self._agreed, t_prefill_s=max(self._agreed.t_prefill_s, 1e-9))
@@ -470,6 +488,7 @@ class DecisionMaker:
             "decision_errors": self.counts["errors"],
             "failures": {"offload": self.counts["offload_failures"], "restore": self.counts["restore_failures"],
                          "admission_refusals": self.counts["admission_refusals"],
+                         "missed_rounds": self.counts["missed_rounds"],
                          "faults_injected": dict(self.faults.fired)},
             "admission_offloads": self.counts["admission_offloads"],
             # stats requests are not part of the ranks' replicated schedule: never start a round here
