@@ -213,45 +213,80 @@ def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatc
     assert maker.tree.evictable_size() == cached and maker.memory.offloaded_groups == 2
 
 
-def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree():
-    """VAMP_SGLANG_FAULT=agree-timeout: a rank arrives too late for its round, over real sockets."""
+@pytest.fixture
+def two_ranks():
+    """The agreement part of two decision makers (no memory needed), over real ipc sockets."""
     import shutil
-    import threading
 
     from vamp_sglang.controller import make_private_ipc_dir
 
     ipc_dir = make_private_ipc_dir()
     controllers = [RankController(rank, 2, ipc_dir, timeout_s=0.2) for rank in range(2)]
     makers = []
-    for ctl, spec in zip(controllers, (None, "agree-timeout:1")):
-        dm = object.__new__(decisions.DecisionMaker)  # only the agreement part: no memory needed
-        dm.controller, dm.faults, dm.round_id = ctl, Faults.parse(spec, seed=0), 0
-        dm.runtime, dm.counts, dm._rounds_blocked_until_step = SimpleNamespace(step=0), {"missed_rounds": 0}, 0
+    for ctl in controllers:
+        dm = object.__new__(decisions.DecisionMaker)
+        dm.controller, dm.faults, dm.round_id = ctl, Faults.parse(None, seed=0), 0
+        dm.runtime, dm._rounds_blocked_until_step = SimpleNamespace(step=0), 0
+        dm.counts, dm.offload_blocked_until_step = {"missed_rounds": 0, "errors": 0}, 0
         makers.append(dm)
+    yield makers
+    for ctl in controllers:
+        ctl.close()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def on_both(makers, call):
+    """Run `call(rank, maker)` on both ranks at once; their results by rank."""
+    import threading
+
+    out = [None, None]
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, call(r, makers[r]))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_rank_refusing_a_remap_rolls_the_others_back_without_injecting_into_the_undo(two_ranks):
+    """Found by the soak (TP 2, remap:0.2): rank 0's remap failed, rank 1's undo then drew an
+    injected fault too and the exception took the scheduler down."""
+    undone = []
+
+    def apply(rank):
+        def run(tokens):
+            if rank == 0:
+                raise RuntimeError("this rank's remap failed")
+        return run
+
+    def undo(rank, dm):
+        def run():
+            dm.faults.check("remap", "the undo")  # a compensating remap is not fault-injected
+            undone.append(rank)
+        return run
+
+    for dm in two_ranks:
+        dm.faults = Faults.parse("remap:1", seed=0)
+    assert on_both(two_ranks, lambda r, dm: dm._agreed_remap(100, apply(r), undo(r, dm))) == [0, 0]
+    assert undone == [1] and all(dm.counts["errors"] == 0 for dm in two_ranks)
+
+
+def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree(two_ranks):
+    """VAMP_SGLANG_FAULT=agree-timeout: a rank arrives too late for its round, over real sockets."""
+    makers = two_ranks
+    makers[1].faults = Faults.parse("agree-timeout:1", seed=0)
 
     def round_on_both(proposals):
-        out = [None, None]
-        threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, makers[r]._agree_value(proposals[r])))
-                   for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        return on_both(makers, lambda r, dm: dm._agree_value(proposals[r]))
 
-    try:
-        assert round_on_both((100, 50)) == [0, 0]  # rank 1 was late: nobody remaps
-        assert makers[1].faults.fired["agree-timeout"] == 1 and makers[0].counts["missed_rounds"] == 1
-        makers[1].faults = Faults.parse(None)
-        rounds = [dm.round_id for dm in makers]  # both back off alike: no rounds (no time-outs) for a while
-        assert round_on_both((100, 50)) == [0, 0] and [dm.round_id for dm in makers] == rounds
-        for dm in makers:
-            dm.runtime.step = decisions.ROUND_BACKOFF_STEPS
-        assert round_on_both((100, 50)) == [50, 50]  # then the rounds resume in step
-    finally:
-        for ctl in controllers:
-            ctl.close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+    assert round_on_both((100, 50)) == [0, 0]  # rank 1 was late: nobody remaps
+    assert makers[1].faults.fired["agree-timeout"] == 1 and makers[0].counts["missed_rounds"] == 1
+    makers[1].faults = Faults.parse(None)
+    rounds = [dm.round_id for dm in makers]  # both back off alike: no rounds (no time-outs) for a while
+    assert round_on_both((100, 50)) == [0, 0] and [dm.round_id for dm in makers] == rounds
+    for dm in makers:
+        dm.runtime.step = decisions.ROUND_BACKOFF_STEPS
+    assert round_on_both((100, 50)) == [50, 50]  # then the rounds resume in step
 
 
 def test_the_tpot_guard_caps_what_a_decision_may_offload(maker):

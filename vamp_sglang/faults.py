@@ -14,7 +14,9 @@ launch with a message before anything loads) and once per scheduler process at s
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 KINDS = ("remap", "agree-timeout")
@@ -35,6 +37,7 @@ class Faults:
     probability: dict[str, float] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
     fired: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in KINDS})
+    _paused: int = 0
 
     @classmethod
     def parse(cls, spec: str | None, seed: int | None = None) -> Faults:
@@ -63,7 +66,19 @@ class Faults:
     def active(self) -> bool:
         return any(p > 0 for p in self.probability.values())
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No fault fires inside: a compensating remap (undoing a remap another rank refused) is
+        not a new remap, and injecting there would only test a double failure."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def fires(self, kind: str) -> bool:
+        if self._paused:
+            return False
         p = self.probability.get(kind, 0.0)
         hit = p > 0 and (p >= 1.0 or self.rng.random() < p)
         if hit:

@@ -45,6 +45,7 @@ from vamp_sglang.policy.tpot_guard import TpotGuard
 logger = logging.getLogger(__name__)
 
 OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
+UNDO_ATTEMPTS = 3  # a compensating remap is retried this often before this rank gives up remapping
 ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many steps
 COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
 LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
@@ -143,9 +144,24 @@ class DecisionMaker:
                 ok = False
         if self.controller.world_size > 1 and not self.controller.all_ok(round_id, ok):
             if applied:
-                undo()
+                self._undo(round_id, undo)
             return 0
         return common if ok else 0
+
+    def _undo(self, round_id: int, undo: Any) -> None:
+        """Roll back a remap another rank refused; retried, since ranks must end with equal pools."""
+        for attempt in range(1, UNDO_ATTEMPTS + 1):
+            try:
+                with self.faults.paused():
+                    undo()
+                return
+            except Exception:
+                logger.exception("vamp: undoing remap round %d failed (attempt %d of %d)", round_id, attempt,
+                                 UNDO_ATTEMPTS)
+        self.counts["errors"] += 1
+        logger.error("vamp: remap round %d could not be undone on this rank: its pool now differs from the "
+                     "other ranks'; no further remaps here", round_id)
+        self.offload_blocked_until_step = 1 << 62
 
     # --- inputs ------------------------------------------------------------------------------------
     def refresh_view(self) -> None:
