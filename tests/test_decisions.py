@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from tests.test_integration_memory import sglang_moe, vamp  # noqa: F401 (fixtures)
 from vamp_sglang.config import VampConfig
 from vamp_sglang.controller import RankController
+from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS, RankRounds
 from vamp_sglang.faults import Faults
 from vamp_sglang.integration import decisions, radix
 from vamp_sglang.integration.runtime import VampRuntime
@@ -215,32 +216,26 @@ def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatc
 
 @pytest.fixture
 def two_ranks():
-    """The agreement part of two decision makers (no memory needed), over real ipc sockets."""
+    """Two ranks' agreement rounds over real ipc sockets."""
     import shutil
 
     from vamp_sglang.controller import make_private_ipc_dir
 
     ipc_dir = make_private_ipc_dir()
     controllers = [RankController(rank, 2, ipc_dir, timeout_s=0.2) for rank in range(2)]
-    makers = []
-    for ctl in controllers:
-        dm = object.__new__(decisions.DecisionMaker)
-        dm.controller, dm.faults, dm.round_id = ctl, Faults.parse(None, seed=0), 0
-        dm.runtime, dm._rounds_blocked_until_step = SimpleNamespace(step=0), 0
-        dm.counts, dm.offload_blocked_until_step = {"missed_rounds": 0, "errors": 0}, 0
-        makers.append(dm)
-    yield makers
+    step = SimpleNamespace(now=0)
+    yield [RankRounds(ctl, lambda: step.now) for ctl in controllers], step
     for ctl in controllers:
         ctl.close()
     shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-def on_both(makers, call):
-    """Run `call(rank, maker)` on both ranks at once; their results by rank."""
+def on_both(rounds, call):
+    """Run `call(rank, rounds)` on both ranks at once; their results by rank."""
     import threading
 
     out = [None, None]
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, call(r, makers[r]))) for r in range(2)]
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, call(r, rounds[r]))) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -251,6 +246,7 @@ def on_both(makers, call):
 def test_a_rank_refusing_a_remap_rolls_the_others_back_without_injecting_into_the_undo(two_ranks):
     """Found by the soak (TP 2, remap:0.2): rank 0's remap failed, rank 1's undo then drew an
     injected fault too and the exception took the scheduler down."""
+    rounds, _ = two_ranks
     undone = []
 
     def apply(rank):
@@ -259,33 +255,32 @@ def test_a_rank_refusing_a_remap_rolls_the_others_back_without_injecting_into_th
                 raise RuntimeError("this rank's remap failed")
         return run
 
-    def undo(rank, dm):
+    def undo(rank, r):
         def run():
-            dm.faults.check("remap", "the undo")  # a compensating remap is not fault-injected
+            r.faults.check("remap", "the undo")  # a compensating remap is not fault-injected
             undone.append(rank)
         return run
 
-    for dm in two_ranks:
-        dm.faults = Faults.parse("remap:1", seed=0)
-    assert on_both(two_ranks, lambda r, dm: dm._agreed_remap(100, apply(r), undo(r, dm))) == [0, 0]
-    assert undone == [1] and all(dm.counts["errors"] == 0 for dm in two_ranks)
+    for r in rounds:
+        r.faults = Faults.parse("remap:1", seed=0)
+    assert on_both(rounds, lambda rank, r: r.remap(100, apply(rank), undo(rank, r))) == [0, 0]
+    assert undone == [1] and all(r.undo_failures == 0 for r in rounds)
 
 
 def test_a_late_rank_means_no_remap_anywhere_and_later_rounds_still_agree(two_ranks):
     """VAMP_SGLANG_FAULT=agree-timeout: a rank arrives too late for its round, over real sockets."""
-    makers = two_ranks
-    makers[1].faults = Faults.parse("agree-timeout:1", seed=0)
+    rounds, step = two_ranks
+    rounds[1].faults = Faults.parse("agree-timeout:1", seed=0)
 
     def round_on_both(proposals):
-        return on_both(makers, lambda r, dm: dm._agree_value(proposals[r]))
+        return on_both(rounds, lambda rank, r: r.agree(proposals[rank]))
 
     assert round_on_both((100, 50)) == [0, 0]  # rank 1 was late: nobody remaps
-    assert makers[1].faults.fired["agree-timeout"] == 1 and makers[0].counts["missed_rounds"] == 1
-    makers[1].faults = Faults.parse(None)
-    rounds = [dm.round_id for dm in makers]  # both back off alike: no rounds (no time-outs) for a while
-    assert round_on_both((100, 50)) == [0, 0] and [dm.round_id for dm in makers] == rounds
-    for dm in makers:
-        dm.runtime.step = decisions.ROUND_BACKOFF_STEPS
+    assert rounds[1].faults.fired["agree-timeout"] == 1 and rounds[0].missed == 1
+    rounds[1].faults = Faults.parse(None)
+    ids = [r.round_id for r in rounds]  # both back off alike: no rounds (no time-outs) for a while
+    assert round_on_both((100, 50)) == [0, 0] and [r.round_id for r in rounds] == ids
+    step.now = ROUND_BACKOFF_STEPS
     assert round_on_both((100, 50)) == [50, 50]  # then the rounds resume in step
 
 

@@ -31,13 +31,14 @@ import time
 import zlib
 from typing import Any
 
+from vamp_sglang.controller.rounds import RankRounds
 from vamp_sglang.faults import NONE, Faults
 from vamp_sglang.integration import compaction
 from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.integration.prefill_timing import PrefillTimer
 from vamp_sglang.integration.runtime import current
 from vamp_sglang.policy import Coefficients, OffloadState, PreemptCandidate, Snapshot, plan
-from vamp_sglang.policy.calibration import Calibrator
+from vamp_sglang.policy.calibration import Calibrator, smooth
 from vamp_sglang.policy.decision_log import DecisionLog
 from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
 from vamp_sglang.policy.tpot_guard import TpotGuard
@@ -45,10 +46,7 @@ from vamp_sglang.policy.tpot_guard import TpotGuard
 logger = logging.getLogger(__name__)
 
 OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
-UNDO_ATTEMPTS = 3  # a compensating remap is retried this often before this rank gives up remapping
-ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many steps
 COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
-LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
 _site: contextvars.ContextVar[tuple[str, Any]] = contextvars.ContextVar("vamp_site", default=("prefill", None))
 
 
@@ -80,15 +78,14 @@ class DecisionMaker:
         self.base_coefficients = Coefficients.from_config(self.config)
         self.calibrator = Calibrator.starting_from(self.base_coefficients)
         self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank))
-        self.round_id = 0
+        self.rounds = RankRounds(controller, lambda: runtime.step, faults)
         self.calm_steps = 0
         self.idle_since: float | None = None  # wall clock (local) when the server last became idle
         self.idle_polls = 0  # fully idle polls since then (replicated: ranks poll in lockstep)
         self.next_idle_check = 1  # poll count of the next idle check (doubles: 1, 2, 4, ...)
         self.offload_blocked_until_step = 0
         self.counts = {"errors": 0, "offload_failures": 0, "admission_offloads": 0, "admission_refusals": 0,
-                       "restore_failures": 0, "missed_rounds": 0}
-        self._rounds_blocked_until_step = 0  # after a TP rank missed a round (several ranks only)
+                       "restore_failures": 0}
         self._logged_errors: set[str] = set()
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
@@ -103,66 +100,6 @@ class DecisionMaker:
         self.view = NO_HEADROOM
         self.refresh_view()
 
-    # --- agreement rounds (no-ops on one rank) -----------------------------------------------------
-    def _agree_min(self, value: int) -> tuple[int, int]:
-        """One phase-0 round: (round id, minimum over ranks). An injected agree-timeout makes this
-        rank arrive too late for the round, as a stalled rank would."""
-        self.round_id += 1
-        if self.controller.world_size > 1 and self.faults.fires("agree-timeout"):
-            time.sleep(LATE_ROUND_FACTOR * self.controller.timeout_s)
-        return self.round_id, self.controller.agree_min(self.round_id, value)
-
-    def _agree_value(self, value: int, fallback: int = 0) -> int:
-        """The minimum of `value` over ranks, or `fallback` when a rank missed the round. After a
-        missed round the ranks hold no rounds for ROUND_BACKOFF_STEPS steps (all live ranks saw it,
-        so they back off alike): a lost rank must not make every shortfall wait out time-outs."""
-        if self.controller.world_size == 1:
-            return value
-        if self.runtime.step < self._rounds_blocked_until_step:
-            return fallback
-        round_id, agreed = self._agree_min(value)
-        if not self.controller.all_ok(round_id, True):  # every rank voted yes: a rank was missing
-            self.counts["missed_rounds"] += 1
-            self._rounds_blocked_until_step = self.runtime.step + ROUND_BACKOFF_STEPS
-            logger.warning("vamp: a TP rank missed agreement round %d; no remaps for %d steps",
-                           round_id, ROUND_BACKOFF_STEPS)
-            return fallback
-        return agreed
-
-    def _agreed_remap(self, proposal: int, apply: Any, undo: Any) -> int:
-        """The controller's pattern: agree on min(proposal), apply it everywhere, undo unless all ok."""
-        if self.controller.world_size > 1 and self.runtime.step < self._rounds_blocked_until_step:
-            return 0
-        round_id, common = self._agree_min(proposal) if self.controller.world_size > 1 else (0, proposal)
-        ok, applied = True, False
-        if common > 0:
-            try:
-                apply(common)
-                applied = True
-            except Exception:  # the transaction left this rank as before; the vote tells the others
-                logger.exception("vamp: remap round %d failed on this rank; no rank keeps it", round_id)
-                ok = False
-        if self.controller.world_size > 1 and not self.controller.all_ok(round_id, ok):
-            if applied:
-                self._undo(round_id, undo)
-            return 0
-        return common if ok else 0
-
-    def _undo(self, round_id: int, undo: Any) -> None:
-        """Roll back a remap another rank refused; retried, since ranks must end with equal pools."""
-        for attempt in range(1, UNDO_ATTEMPTS + 1):
-            try:
-                with self.faults.paused():
-                    undo()
-                return
-            except Exception:
-                logger.exception("vamp: undoing remap round %d failed (attempt %d of %d)", round_id, attempt,
-                                 UNDO_ATTEMPTS)
-        self.counts["errors"] += 1
-        logger.error("vamp: remap round %d could not be undone on this rank: its pool now differs from the "
-                     "other ranks'; no further remaps here", round_id)
-        self.offload_blocked_until_step = 1 << 62
-
     # --- inputs ------------------------------------------------------------------------------------
     def refresh_view(self) -> None:
         """Agree on the exact gain of every number of groups (after start-up and every remap).
@@ -172,23 +109,20 @@ class DecisionMaker:
         headroom = self.memory.headroom_groups()
         local = tuple(self.memory.tokens_for(n) for n in range(1, headroom + 1))
         fingerprint = zlib.crc32(repr((headroom, local)).encode()) & 0x7FFFFFFF
-        if self.controller.world_size > 1:
-            round_id, lowest = self._agree_min(fingerprint)
-            if not self.controller.all_ok(round_id, lowest == fingerprint):
-                groups = self._agree_value(headroom)
-                total = self._agree_value(self.memory.tokens_for(groups) if groups else 0)
-                logger.warning("vamp: TP ranks differ in KV gain per expert group; offering only %d groups "
-                               "at once (%d tokens)", groups, total)
-                self.view = OffloadView(groups, (0,) * (groups - 1) + (total,) if groups else ())
-                return
+        if not self.rounds.all_equal(fingerprint):
+            groups = self.rounds.agree(headroom)
+            total = self.rounds.agree(self.memory.tokens_for(groups) if groups else 0)
+            logger.warning("vamp: TP ranks differ in KV gain per expert group; offering only %d groups "
+                           "at once (%d tokens)", groups, total)
+            self.view = OffloadView(groups, (0,) * (groups - 1) + (total,) if groups else ())
+            return
         self.view = OffloadView(headroom, local)
 
     def offer(self) -> OffloadView:
         """The headroom plans and admission may use now (none for a while after a failed offload or
-        a missed agreement round)."""
-        step = self.runtime.step
-        blocked = step < self.offload_blocked_until_step or step < self._rounds_blocked_until_step
-        return NO_HEADROOM if blocked else self.view
+        a missed agreement round, none at all once this rank could not undo a remap)."""
+        blocked = self.runtime.step < self.offload_blocked_until_step or self.rounds.blocked
+        return NO_HEADROOM if blocked or self.rounds.undo_failures else self.view
 
     def guard_cap_groups(self) -> int | None:
         """The most groups the TPOT guard lets one decision offload now (None: no guard). Timings differ
@@ -201,7 +135,7 @@ class DecisionMaker:
             return local
         step = self.runtime.step
         if self._guard_cap is None or step - self._guard_cap_at_step >= COEFFICIENT_AGREE_STEPS:
-            self._guard_cap, self._guard_cap_at_step = self._agree_value(local), step
+            self._guard_cap, self._guard_cap_at_step = self.rounds.agree(local), step
         return self._guard_cap
 
     def coefficients(self) -> Coefficients:
@@ -214,7 +148,7 @@ class DecisionMaker:
             return measured
         step = self.runtime.step
         if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:
-            ns = {name: self._agree_value(int(getattr(measured, name) * 1e9),  # a missed round: configured
+            ns = {name: self.rounds.agree(int(getattr(measured, name) * 1e9),  # a missed round: configured
                                           fallback=int(getattr(self.base_coefficients, name) * 1e9))
                   for name in ("t_prefill_s", "c_reload_s", "t_queue_s")}
             self._agreed = dataclasses.replace(measured, **{name: v / 1e9 for name, v in ns.items()})
@@ -235,7 +169,7 @@ class DecisionMaker:
         # with nothing running yet, the batch being admitted is what will decode next.
         running = list(scheduler.running_batch.reqs) or (list(batch.reqs) if batch is not None else [])
         budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in running]
-        victims = self._preempt_candidates(list(batch.reqs), allocator_page(tree_cache)) \
+        victims = self._preempt_candidates(list(batch.reqs), int(tree_cache.token_to_kv_pool_allocator.page_size)) \
             if site == "decode" and batch is not None else []
         buffer_tokens = int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
         evictable = radix.eviction_candidates(tree_cache, gap_tokens, free_tokens, len(victims) + 1,
@@ -289,15 +223,15 @@ class DecisionMaker:
         free = int(allocator.available_size())
         if need - free <= 0:
             return original(allocator, tree_cache, num_tokens)
-        self.decide(site, need - free, free, batch, tree_cache)
-        if self._last_action == "preempt":
+        action, _ = self.decide(site, need - free, free, batch, tree_cache)
+        if action == "preempt":
             return None  # leave the gap: SGLang's retract_decode preempts, as priced
         return original(allocator, tree_cache, num_tokens)
 
     def decide(self, site: str, gap: int, free: int, batch: Any, tree_cache: Any,
-               log_site: str | None = None, with_evictable: bool = True) -> int:
-        """Plan one shortfall and carry out its offload part; returns the tokens offloading added.
-        Any error in our code leaves the shortfall to SGLang's own eviction."""
+               log_site: str | None = None, with_evictable: bool = True) -> tuple[str, int]:
+        """Plan one shortfall and carry out its offload part; returns the plan's action ("error" when
+        our code failed: SGLang's own eviction then covers the shortfall) and the tokens offloading added."""
         start = time.perf_counter()
         snapshot = chosen = None
         try:
@@ -306,11 +240,10 @@ class DecisionMaker:
         except Exception as e:  # noqa: BLE001 - a decision error must never reach SGLang's allocator
             self._decision_error(e, snapshot)
         decide_s = time.perf_counter() - start
-        self._last_action = chosen.action if chosen is not None else "error"
         groups = chosen.groups if chosen is not None else 0
         added = self.offload(groups)
         if chosen is None:
-            return added
+            return "error", added
         # "partial" (nothing covers the gap: offload all headroom and evict all) counts as combined;
         # at admission only an offload that happened counts (the rest is an admission refusal)
         if log_site != "admission":
@@ -326,7 +259,7 @@ class DecisionMaker:
                         outcome={"tokens_added": added, "pool_tokens": self.memory.pool_tokens})
         if added:
             self.runtime.publish_metrics()
-        return added
+        return chosen.action, added
 
     def _decision_error(self, error: Exception, snapshot: Snapshot | None) -> None:
         self.counts["errors"] += 1
@@ -342,8 +275,7 @@ class DecisionMaker:
         On several ranks the groups are agreed first, in a round every shortfall runs whatever its
         plan (a rank that planned no offload, or failed to plan, proposes 0), so ranks that somehow
         planned differently still remap alike and keep their rounds in step."""
-        if self.controller.world_size > 1:
-            groups = self._agree_value(groups)
+        groups = self.rounds.agree(groups)
         if groups == 0:
             return 0
         try:
@@ -351,7 +283,7 @@ class DecisionMaker:
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self._decision_error(e, None)
             proposal = 0
-        added = self._agreed_remap(proposal, lambda tokens: self.memory.offload(groups, tokens),
+        added = self.rounds.remap(proposal, lambda tokens: self.memory.offload(groups, tokens),
                                    lambda: self.memory.restore(groups))
         if added:
             self.refresh_view()
@@ -372,7 +304,7 @@ class DecisionMaker:
         """A request fits only with offload headroom: offload now, before it is admitted. False
         (the request keeps waiting, untouched) if the offload did not happen."""
         allocator = self.runtime.scheduler.token_to_kv_pool_allocator
-        added = self.decide("prefill", short_tokens, int(allocator.available_size()), None,
+        _, added = self.decide("prefill", short_tokens, int(allocator.available_size()), None,
                             self.runtime.scheduler.tree_cache, log_site="admission", with_evictable=False)
         if added >= short_tokens:
             self.counts["admission_offloads"] += 1
@@ -405,7 +337,7 @@ class DecisionMaker:
             step_ms = (now - self._last_decode_start_s) * 1e3
             self.guard.observe_decode_step(step_ms, groups)
             if groups == 0:
-                self._resident_step_ms = _smooth(self._resident_step_ms, step_ms)
+                self._resident_step_ms = smooth(self._resident_step_ms, step_ms)
             elif self._resident_step_ms is not None:
                 self.guard.observe_staging(groups, max(step_ms - self._resident_step_ms, 0.0))
         self._last_decode_start_s = now
@@ -444,7 +376,7 @@ class DecisionMaker:
                 if self.idle_polls < self.next_idle_check:
                     return
                 self.next_idle_check *= 2
-            idle_s = self._agree_value(int((now - self.idle_since) * 1000)) / 1000
+            idle_s = self.rounds.agree(int((now - self.idle_since) * 1000)) / 1000
             if idle_s < IDLE_RESTORE_S:
                 return
         else:
@@ -453,7 +385,7 @@ class DecisionMaker:
                                                         self.runtime.baseline_tokens) else 0
             over_slo = self.guard is not None and self.guard.wants_restore()
             if self.controller.world_size > 1 and self.guard is not None:
-                over_slo = self.runtime.step % COEFFICIENT_AGREE_STEPS == 0 and bool(self._agree_value(int(over_slo)))
+                over_slo = self.runtime.step % COEFFICIENT_AGREE_STEPS == 0 and bool(self.rounds.agree(int(over_slo)))
             if over_slo:
                 self.guard.restored()  # one attempt, then patience again
             elif self.calm_steps < self.config.restore_after_steps:
@@ -468,7 +400,7 @@ class DecisionMaker:
             can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens))
         chosen = plan_restore(state)
         self.calm_steps = 0  # one attempt per calm period, restored or not
-        proposal = self._agree_value(chosen.groups)  # go ahead only if every rank can
+        proposal = self.rounds.agree(chosen.groups)  # go ahead only if every rank can
         if proposal == 0:
             return
         self.next_idle_check = 1  # after an attempt, look again at once: one step at a time
@@ -483,7 +415,7 @@ class DecisionMaker:
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self._decision_error(e, None)
             restorable = 0
-        restored = self._agreed_remap(restorable, lambda _: self.memory.restore(groups),
+        restored = self.rounds.remap(restorable, lambda _: self.memory.restore(groups),
                                       lambda: self.memory.offload(groups, self.memory.tokens_for(groups)))
         self.log.record_restore(step=self.runtime.step, state=state, plan=chosen, restored_groups=groups
                                 if restored else 0, pool_tokens=self.memory.pool_tokens)
@@ -504,7 +436,7 @@ class DecisionMaker:
             "decision_errors": self.counts["errors"],
             "failures": {"offload": self.counts["offload_failures"], "restore": self.counts["restore_failures"],
                          "admission_refusals": self.counts["admission_refusals"],
-                         "missed_rounds": self.counts["missed_rounds"],
+                         "missed_rounds": self.rounds.missed, "undo": self.rounds.undo_failures,
                          "faults_injected": dict(self.faults.fired)},
             "admission_offloads": self.counts["admission_offloads"],
             # stats requests are not part of the ranks' replicated schedule: never start a round here
@@ -512,16 +444,6 @@ class DecisionMaker:
                 **self.guard.stats(),
                 "cap_groups": self.guard_cap_groups() if self.controller.world_size == 1 else self._guard_cap},
         }
-
-    _last_action = "none"
-
-
-def _smooth(current: float | None, sample: float, weight: float = 0.2) -> float:
-    return sample if current is None else current + weight * (sample - current)
-
-
-def allocator_page(tree_cache: Any) -> int:
-    return int(tree_cache.token_to_kv_pool_allocator.page_size)
 
 
 def decision_log_path(path: str | None, tp_rank: int) -> str | None:

@@ -46,14 +46,14 @@ class Calibrator:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
             return
-        self.t_prefill_s = _smooth(self.t_prefill_s, seconds / tokens)
+        self.t_prefill_s = smooth(self.t_prefill_s, seconds / tokens)
         self.prefill_samples += 1
 
     def observe_staging(self, offloaded_shards: int, wait_s: float) -> None:
         """One model step that staged `offloaded_shards` shards per layer and waited `wait_s`."""
         if offloaded_shards <= 0 or wait_s < 0:
             return
-        self.c_eff_s = _smooth(self.c_eff_s, wait_s / offloaded_shards)
+        self.c_eff_s = smooth(self.c_eff_s, wait_s / offloaded_shards)
         self.staging_samples += 1
 
     def apply(self, base: Coefficients, top_k: int, local_experts: int) -> Coefficients:
@@ -78,5 +78,6 @@ class Calibrator:
         }
 
 
-def _smooth(current: float | None, sample: float) -> float:
+def smooth(current: float | None, sample: float) -> float:
+    """The moving average every online measurement uses (SMOOTHING weight for the newest sample)."""
     return sample if current is None else (1 - SMOOTHING) * current + SMOOTHING * sample

@@ -1,0 +1,111 @@
+"""The agreement rounds one rank's decision maker holds, on top of the RankController.
+
+Every TP rank reaches the same decision points in the same order (SGLang's scheduling is
+replicated), so each rank holds the same rounds with the same ids. This adds what the decision
+layer needs around a bare round:
+- `agree(value, fallback)`: the minimum over ranks, or `fallback` when a rank missed the round;
+  after a miss no round is held for ROUND_BACKOFF_STEPS scheduler steps (every live rank saw the
+  miss, so they back off alike), so a lost rank does not make every shortfall wait out time-outs;
+- `remap(proposal, apply, undo)`: agree on min(proposal), apply it everywhere, and undo unless every
+  rank succeeded; the undo is retried and never fault-injected (it compensates, it is no new remap);
+- `all_equal(value)`: whether every rank holds the same value (a fingerprint check);
+- `VAMP_SGLANG_FAULT=agree-timeout:P`: this rank enters a round too late for it, as a stalled rank would.
+On one rank every call answers at once with no socket traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vamp_sglang.faults import NONE, Faults
+
+logger = logging.getLogger(__name__)
+
+UNDO_ATTEMPTS = 3  # a compensating remap is retried this often before this rank gives up remapping
+ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many steps
+LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
+
+
+class RankRounds:
+    def __init__(self, controller: Any, step_fn: Callable[[], int], faults: Faults = NONE) -> None:
+        self.controller = controller
+        self.step_fn = step_fn  # the scheduler step, replicated on every rank
+        self.faults = faults
+        self.round_id = 0
+        self.missed = 0  # rounds a rank missed
+        self.undo_failures = 0  # remaps this rank could not undo: its pool differs from the others'
+        self.blocked_until_step = 0
+
+    @property
+    def several(self) -> bool:
+        return self.controller.world_size > 1
+
+    @property
+    def blocked(self) -> bool:
+        return self.several and self.step_fn() < self.blocked_until_step
+
+    def _agree_min(self, value: int) -> tuple[int, int]:
+        self.round_id += 1
+        if self.faults.fires("agree-timeout"):
+            time.sleep(LATE_ROUND_FACTOR * self.controller.timeout_s)
+        return self.round_id, self.controller.agree_min(self.round_id, value)
+
+    def agree(self, value: int, fallback: int = 0) -> int:
+        """The minimum of `value` over ranks, or `fallback` when a rank missed the round or rounds
+        are held back after a miss."""
+        if not self.several:
+            return value
+        if self.blocked:
+            return fallback
+        round_id, agreed = self._agree_min(value)
+        if not self.controller.all_ok(round_id, True):  # every rank voted yes: a rank was missing
+            self.missed += 1
+            self.blocked_until_step = self.step_fn() + ROUND_BACKOFF_STEPS
+            logger.warning("vamp: a TP rank missed agreement round %d; no remaps for %d steps",
+                           round_id, ROUND_BACKOFF_STEPS)
+            return fallback
+        return agreed
+
+    def all_equal(self, value: int) -> bool:
+        """Whether every rank holds `value` (False too when a rank missed the round)."""
+        if not self.several:
+            return True
+        round_id, lowest = self._agree_min(value)
+        return self.controller.all_ok(round_id, lowest == value)
+
+    def remap(self, proposal: int, apply: Callable[[int], Any], undo: Callable[[], Any]) -> int:
+        """Agree on min(proposal), `apply` it on every rank, `undo` unless all ok. Returns the amount
+        every rank now holds (0: nothing changed anywhere)."""
+        if self.blocked:
+            return 0
+        round_id, common = self._agree_min(proposal) if self.several else (0, proposal)
+        ok, applied = True, False
+        if common > 0:
+            try:
+                apply(common)
+                applied = True
+            except Exception:  # the transaction left this rank as before; the vote tells the others
+                logger.exception("vamp: remap round %d failed on this rank; no rank keeps it", round_id)
+                ok = False
+        if self.several and not self.controller.all_ok(round_id, ok):
+            if applied:
+                self._undo(round_id, undo)
+            return 0
+        return common if ok else 0
+
+    def _undo(self, round_id: int, undo: Callable[[], Any]) -> None:
+        """Roll back a remap another rank refused; retried, since ranks must end with equal pools."""
+        for attempt in range(1, UNDO_ATTEMPTS + 1):
+            try:
+                with self.faults.paused():
+                    undo()
+                return
+            except Exception:
+                logger.exception("vamp: undoing remap round %d failed (attempt %d of %d)", round_id, attempt,
+                                 UNDO_ATTEMPTS)
+        self.undo_failures += 1
+        logger.error("vamp: remap round %d could not be undone on this rank: its pool now differs from the "
+                     "other ranks'; no further offloads here", round_id)
