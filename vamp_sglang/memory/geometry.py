@@ -8,13 +8,23 @@ intermediate dimension; KV heads are split over ranks, and replicated when there
 Reads Qwen2/Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`, `mlp_only_layers`),
 Qwen3-Next (`full_attention_interval` or `layer_types`: only full-attention layers hold a KV cache) and
 Mixtral (`num_local_experts`, `intermediate_size`) keys. Pure Python.
+
+`python -m vamp_sglang.memory.geometry --model qwen3-next-80b-a3b --tp 2 --ratios 0.15,0.2` prints the
+paper's Table II from this geometry and the expert layout: groups offloaded per eligible layer at VAMP-r
+(the first MoE layer stays resident, V-B; groups of whole pages, V-A; the VAMP-r bound, IV-C), the bytes
+they reclaim per GPU, and the physical KV pool once those pages are split evenly over the K and V buffers
+of every full-attention layer, from the start-up pool `--kv-pool-gib`.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
@@ -145,3 +155,69 @@ def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str) -> i
     if dense_mlp_layers:
         params += dense_mlp_layers * 3 * hidden * _int(config, "intermediate_size") // tp
     return params * geo.dtype_bytes
+
+
+# ---- Table II ---------------------------------------------------------------------------------------
+
+GIB = 1 << 30
+PAGE_BYTES = 2 << 20  # CUDA VMM allocation granularity on H100/H200 (paper V-A)
+TABLE_I_KV_POOL_GIB = 8.0  # the paper's measured start-up pool per GPU, Qwen3-Next-80B-A3B TP2 on H100 (Table I)
+
+
+@dataclass(frozen=True)
+class ReclaimRow:
+    """What VAMP-r reclaims on one GPU (Table II)."""
+
+    ratio: float
+    offloaded_groups: int  # per eligible layer
+    reclaimed_bytes: int  # expert pages unmapped
+    kv_pool_bytes: int  # physical pool: start-up pool plus the pages every K and V buffer gains
+
+
+def reclaim_rows(geo: ModelGeometry, ratios: list[float], kv_pool_bytes: int,
+                 page_bytes: int = PAGE_BYTES) -> list[ReclaimRow]:
+    """Table II per ratio. Each K and V buffer of a KV layer gets the same whole number of the reclaimed
+    pages (V-A), so the pool grows by at most the reclaimed bytes (the remainder pages stay spare)."""
+    buffers = 2 * len(geo.kv_layer_ids)
+    rows = []
+    for ratio in ratios:
+        lay = ExpertLayout.compute(geo.moe_layer_ids, geo.local_experts, geo.w13_shard_bytes, geo.w2_shard_bytes,
+                                   page_bytes, ratio, staging_capacity_shards=geo.local_experts)
+        groups = lay.bound_groups
+        gained = kv_pages_per_buffer(groups, lay.pages_freed_per_group, buffers) * buffers * page_bytes
+        rows.append(ReclaimRow(ratio, groups, groups * lay.bytes_freed_per_group, kv_pool_bytes + gained))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vamp_sglang.capacity.models import ModelConfigError, config_dtype, load_model_config
+
+    parser = argparse.ArgumentParser(prog="python -m vamp_sglang.memory.geometry",
+                                     description="Expert memory VAMP-r reclaims per GPU (paper Table II)")
+    parser.add_argument("--model", required=True, help="config.json, a directory holding one, or a built-in name")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--ratios", default="0.15,0.2", help="comma-separated offload ratios (default 0.15,0.2)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="weight and KV dtype (default: the config's)")
+    parser.add_argument("--kv-pool-gib", type=float, default=TABLE_I_KV_POOL_GIB,
+                        help=f"start-up KV pool per GPU in GiB (default {TABLE_I_KV_POOL_GIB}: the paper's measured "
+                             "Qwen3-Next TP2 pool, Table I)")
+    args = parser.parse_args(argv)
+    try:
+        ratios = [float(t) for t in args.ratios.split(",")]
+        name, config = load_model_config(args.model)
+        geo = geometry_from_config(config, args.tp, args.dtype or config_dtype(config))
+        rows = reclaim_rows(geo, ratios, round(args.kv_pool_gib * GIB))
+    except (ModelConfigError, GeometryError, ValueError) as exc:
+        parser.error(str(exc))
+    print(f"{name} at TP{args.tp}: {geo.local_experts} experts x {len(geo.moe_layer_ids)} MoE layers "
+          f"({len(geo.moe_layer_ids) - 1} eligible), {len(geo.kv_layer_ids)} KV layers, {PAGE_BYTES >> 20} MiB pages")
+    print(f"{'ratio':>6} {'groups':>6} {'reclaimed GiB/GPU':>17} {'pool GiB/GPU':>12}")
+    print(f"{0:>6} {0:>6} {0.0:>17.2f} {args.kv_pool_gib:>12.2f}")
+    for row in rows:
+        print(f"{row.ratio:>6} {row.offloaded_groups:>6} {row.reclaimed_bytes / GIB:>17.2f} "
+              f"{row.kv_pool_bytes / GIB:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
