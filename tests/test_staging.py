@@ -242,3 +242,22 @@ def test_split_wait_lets_the_gate_up_gemm_start_before_w2_is_staged(model):
     assert torch.equal(first.w2[boundary:], weights[first.layer_id][1][boundary:])
     engine.after_moe(first.layer_id)
     engine.close()
+
+
+def test_a_down_gemm_that_skipped_its_w2_wait_turns_split_waits_off(model):
+    """If a layer's MoE finished without `before_down_proj` (a kernel path our hook does not see), its w2
+    was read unwaited: the engine counts it and waits for w13 and w2 together from then on."""
+    _backend, weights, layout, stores = model
+    offload(stores, 4)
+    engine = StagingEngine(stores, "async", split_w2_wait=True)
+    engine.begin_forward()
+    engine.before_moe(stores[0].layer_id)
+    engine.after_moe(stores[0].layer_id)
+    assert engine.missed_w2_waits == 1 and not engine.split_w2_wait
+    engine.before_moe(stores[1].layer_id)
+    assert not engine._w2_pending  # joint wait: w2 is staged when before_moe returns
+    boundary = layout.boundary_expert(4)
+    assert torch.equal(stores[1].w2[boundary:], weights[stores[1].layer_id][1][boundary:])
+    engine.after_moe(stores[1].layer_id)
+    assert engine.missed_w2_waits == 1
+    engine.close()

@@ -5,6 +5,8 @@ four members `eager_on_graph` uses) whose segments record Python closures the wa
 records kernels; the wrapper, its capture-time run and its replay closure are SGLang's real code.
 The same protocol on a real CUDA graph is checked by eval/gpu_check.py (section `graphs`)."""
 
+import dataclasses
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -116,3 +118,106 @@ def test_no_breaks_when_nothing_can_leave():
     experts = SimpleNamespace(layout=layout, layers={1: object()})
     assert layout.bound_groups == 0 and moe_staging.staging_breaks(experts) == 0
     assert moe_staging.staging_breaks(None) == 0
+
+
+def two_gemm_moe(x, router, w13, w2, gemm):
+    """`moe_forward`'s math launched the way SGLang's Triton MoE does: one gate-up GEMM over every routed
+    (token, expert) pair, then one down GEMM, each through `gemm(b, kernel)`, the `invoke_fused_moe_kernel`
+    call whose second argument is the weight it reads."""
+    act = {}
+
+    def gate_up():  # the router runs in the same segment (a captured kernel reads the live input)
+        weights, ids = torch.topk(torch.softmax(x() @ router.T, dim=-1), TOP_K, dim=-1)
+        act["ids"], act["weights"] = ids, weights / weights.sum(dim=-1, keepdim=True)
+        gate, up = torch.einsum("tkoh,th->tko", w13[ids], x()).chunk(2, dim=-1)
+        act["h"] = torch.nn.functional.silu(gate) * up
+
+    def down():
+        return torch.einsum("tkhi,tki,tk->th", w2[act["ids"]], act["h"], act["weights"])
+
+    gemm(w13, gate_up)
+    return gemm(w2, down)
+
+
+def test_split_waits_run_the_gate_up_gemm_while_w2_is_copying_in_a_replayed_graph(graph_model):
+    """Issue 10 item 6 (paper V-B): a graph captured with nothing offloaded, replayed after offload with
+    split waits: each eligible layer's gate-up GEMM runs before its w2 copy may finish (the copy is held
+    until the first eligible gate-up ran; a joint wait would block on it), the down GEMM waits for w2 at a
+    second break, and the result is bit for bit the unpaged one."""
+    from test_staging import GatedW2Engine
+
+    m = graph_model
+    gate = threading.Event()
+    engine = GatedW2Engine(m.stores, "async", split_w2_wait=True, gate=gate,
+                           is_capturing=lambda: m.capture.capturing)
+    experts = dataclasses.replace(m.experts, engine=engine,
+                                  w2_owners={s.w2.data_ptr(): s.layer_id for s in m.stores})
+    tensors = {s.layer_id: (s.w13, s.w2) for s in m.stores}
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(13))
+
+    def forward_two_gemm(state, paged):
+        for lid in LAYERS:
+            w13, w2 = tensors[lid] if paged and lid in tensors else m.weights[lid][:2]
+
+            def gemm(b, kernel, lid=lid):
+                def launch():
+                    out = kernel()
+                    if kernel.__name__ == "gate_up" and lid in experts.layers:
+                        # the held w2 copy may complete 0.2 s later: an unwaited down GEMM reads NaN
+                        threading.Timer(0.2, gate.set).start()
+                    return out
+                return moe_staging.invoke_fused_moe_kernel_staged(experts, lambda _a, _b: m.capture.launch(launch),
+                                                                  None, b)
+
+            def moe_core(_layer, lid=lid, w13=w13, w2=w2):
+                def residual(b, kernel):
+                    if kernel.__name__ != "down":
+                        return gemm(b, kernel)
+                    return gemm(b, lambda: state.__setitem__("x", state["x"] + kernel()))
+                two_gemm_moe(lambda: state["x"], m.weights[lid][2], w13, w2, residual)
+
+            moe_staging.run_moe_core_staged(experts, moe_core, experts.layers.get(lid, SimpleNamespace(layer_id=lid)))
+
+    reference = {"x": x.clone()}
+    forward_two_gemm(reference, paged=False)
+    static = {"x": x.clone()}
+    token = m.capture_var.set(m.capture)
+    m.capture.capturing = True
+    try:
+        forward_two_gemm(static, paged=True)
+        m.capture._end_current_segment()
+    finally:
+        m.capture_var.reset(token)
+    assert len(m.capture.cuda_graph._break_fns) == 2 * len(m.stores) == moe_staging.staging_breaks(experts)
+    assert [len(seg) for seg in m.capture.segments] == [2] + [1] * (2 * len(m.stores))
+
+    offload(m, 20)
+    for store in m.stores:
+        for dst, _ in store.staging_pairs():
+            dst.fill_(float("nan"))
+    static["x"] = x.clone()
+    gate.clear()
+    engine.begin_forward()
+    m.capture.replay()
+    assert torch.equal(static["x"], reference["x"])
+    assert engine.missed_w2_waits == 0 and engine.split_w2_wait
+    engine.close()
+
+
+def test_split_waits_only_where_sglang_runs_the_triton_moe():
+    """Only SGLang's Triton MoE runs the down GEMM as its own `invoke_fused_moe_kernel` call; every other
+    path would read w2 unwaited, so one such layer turns the split off for the model."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    def layer(backend, **flags):
+        return SimpleNamespace(quant_method=SimpleNamespace(runner=SimpleNamespace(runner_backend=backend),
+                                                            _aiter_runner=None, **flags))
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    triton = [layer(MoeRunnerBackend.TRITON), layer(MoeRunnerBackend.TRITON)]
+    assert moe_staging.splits_w2_wait(triton, cuda)
+    assert not moe_staging.splits_w2_wait(triton, cpu)  # SGLang's CPU MoE loops experts, w13 and w2 together
+    assert not moe_staging.splits_w2_wait(triton + [layer(MoeRunnerBackend.FLASHINFER_TRTLLM)], cuda)
+    assert not moe_staging.splits_w2_wait(triton + [layer(MoeRunnerBackend.TRITON, use_flashinfer_cutlass=True)],
+                                          cuda)
+    assert not moe_staging.splits_w2_wait([SimpleNamespace(quant_method=SimpleNamespace())], cuda)

@@ -118,7 +118,9 @@ class ExpertMemory:
             "staging": {"wait_s": round(staging.wait_s, 6), "copy_s": round(staging.copy_s, 6),
                         "step_wait_s": round(staging.step_wait_s, 6), "step_copy_s": round(staging.step_copy_s, 6),
                         "bytes": staging.bytes_staged, "copies": staging.copies, "stalls": staging.stalls,
-                        "steps": staging.steps, "pinned_bytes": self.experts.staging_buffers.pinned_bytes},
+                        "steps": staging.steps, "pinned_bytes": self.experts.staging_buffers.pinned_bytes,
+                        "split_w2_wait": self.experts.engine.split_w2_wait,
+                        "missed_w2_waits": self.experts.engine.missed_w2_waits},
         }
 
     # ---- inside a transaction --------------------------------------------------------------------
@@ -226,6 +228,12 @@ def _around_run_moe_core(original: Callable, layer: Any, *args: Any, **kwargs: A
     return moe_staging.run_moe_core_staged(_process.experts, original, layer, *args, **kwargs)
 
 
+def _around_invoke_fused_moe_kernel(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    if _process is None:
+        return original(*args, **kwargs)
+    return moe_staging.invoke_fused_moe_kernel_staged(_process.experts, original, *args, **kwargs)
+
+
 def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     """Create this scheduler's ExpertMemory, hand it to the runtime, apply the initial offload."""
     if _process is None:
@@ -264,4 +272,7 @@ HOOKS = [
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "around", _around_run_moe_core,
          "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel, "
          "as an eager break of breakable CUDA graphs"),
+    Hook("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", "around",
+         _around_invoke_fused_moe_kernel, "Triton MoE: wait for a layer's staged w2 right before its down GEMM, "
+         "so the gate-up GEMM overlaps the w2 copy (an eager break too)"),
 ]

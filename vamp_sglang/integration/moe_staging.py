@@ -24,6 +24,12 @@ is an SM kernel (a fixed 256x256 grid sized for a few experts) that would compet
 for SMs, while our copies run on the copy engines from pinned memory, the path the paper measures; the
 gather also needs a JIT-built kernel and a fork/join of streams inside the capture. The cost of ours is
 one graph segment boundary and one Python call per eligible layer and step.
+
+Paper V-B: the gate-up GEMM needs only w13, so where SGLang runs the two GEMMs as separate launches
+(its Triton MoE: two `invoke_fused_moe_kernel` calls in `_fused_moe_kernel_sequence`) the layer waits
+for w13 at `before_moe` and for w2 right before the down GEMM (`invoke_fused_moe_kernel_staged`, a
+second break), so the gate-up GEMM runs while w2 is still copying. Every other MoE kernel (CPU,
+FlashInfer, DeepGEMM, triton_kernels, aiter) runs both GEMMs in one call and waits for both first.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class ModelExperts:
     stores: list[ExpertStore]
     engine: StagingEngine
     layers: dict[int, Any] = field(default_factory=dict)  # eligible layer_id -> its FusedMoE module
+    w2_owners: dict[int, int] = field(default_factory=dict)  # store.w2.data_ptr() -> its layer_id
 
     @property
     def offloaded_groups(self) -> int:
@@ -100,6 +107,22 @@ def _check_layer(layer: Any, reference: Any, device: torch.device) -> None:
             raise ExpertConversionError(f"{where}: {name} is on {t.device}, the page backend serves {device}")
 
 
+def splits_w2_wait(layers: list[Any], device: torch.device) -> bool:
+    """Whether every layer runs SGLang's Triton MoE (`UnquantizedFusedMoEMethod.forward_cuda`'s last
+    branch), the one kernel path whose down GEMM is a separate `invoke_fused_moe_kernel` call that our
+    hook sees; any other path would read w2 unwaited if only w13 were awaited."""
+    if device.type != "cuda" or not layers:
+        return False
+    for layer in layers:
+        method = layer.quant_method
+        runner = getattr(method, "runner", None)
+        if (runner is None or not runner.runner_backend.is_triton() or getattr(method, "_aiter_runner", None)
+                or getattr(method, "use_flashinfer_cutlass", False)
+                or getattr(method, "use_flashinfer_trtllm_moe", False)):
+            return False
+    return True
+
+
 def compute_layout(layers: list[Any], granularity_bytes: int, max_offload_ratio: float) -> ExpertLayout:
     """The expert layout of these layers on this rank (paper IV-C, V-A)."""
     w13, w2 = layers[0].w13_weight, layers[0].w2_weight
@@ -131,8 +154,9 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         layer.replace_expert_tensor("w2_weight", store.w2)
         if backend.device.type == "cuda":
             torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
-    engine = StagingEngine(stores, mode=staging_mode)
-    return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible})
+    engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device))
+    return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
+                        {s.w2.data_ptr(): s.layer_id for s in stores})
 
 
 # ---- the forward path ------------------------------------------------------------------------------
@@ -145,6 +169,28 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
     out = original(layer, *args, **kwargs)
     experts.engine.after_moe(layer.layer_id)
     return out
+
+
+def invoke_fused_moe_kernel_staged(experts: ModelExperts, original: Callable, a: torch.Tensor, b: torch.Tensor,
+                                   *args: Any, **kwargs: Any) -> Any:
+    """SGLang's Triton `invoke_fused_moe_kernel(A, B, ...)`: when B is an eligible layer's w2 and the
+    engine splits its waits, wait for that layer's w2 copy first (a break, like `before_moe`)."""
+    layer_id = experts.w2_owners.get(b.data_ptr()) if experts.engine.split_w2_wait else None
+    if layer_id is not None:
+        w2_break()(experts.engine, layer_id)
+    return original(a, b, *args, **kwargs)
+
+
+@functools.cache
+def w2_break() -> Callable[[StagingEngine, int], None]:
+    """`engine.before_down_proj(layer_id)` as an `eager_on_graph` break (see `staging_break`)."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+
+    @eager_on_graph
+    def vamp_wait_w2(engine: StagingEngine, layer_id: int) -> None:
+        engine.before_down_proj(layer_id)
+
+    return vamp_wait_w2
 
 
 @functools.cache
@@ -162,8 +208,8 @@ def staging_break() -> Callable[[StagingEngine, int], None]:
 
 
 def staging_breaks(experts: ModelExperts | None) -> int:
-    """Eager breaks one forward adds to a breakable CUDA graph: one per eligible layer that can offload.
-    Graphs are never refused because of offloading."""
+    """Eager breaks one forward adds to a breakable CUDA graph: one per eligible layer that can offload,
+    two with split w13/w2 waits. Graphs are never refused because of offloading."""
     if experts is None or not experts.layout.bound_groups:
         return 0
-    return len(experts.layers)
+    return len(experts.layers) * (2 if experts.engine.split_w2_wait else 1)

@@ -27,6 +27,7 @@ with the worker's and the waiting thread's clocks.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.region import PagedRegion
 
 STAGING_MODES = ("async", "sync")
+logger = logging.getLogger(__name__)
 
 
 class StagingSlot:
@@ -174,6 +176,7 @@ class _Copy:
     copy_s: float = 0.0  # host: measured by the worker
     wait_s: float = 0.0  # host: measured by the waiting thread
     stalled: bool = False
+    split: bool = False  # its layer waited for w13 only at before_moe (w2 before the down GEMM)
 
 
 class StagingEngine:
@@ -200,6 +203,7 @@ class StagingEngine:
         self._is_capturing = is_capturing
         self._pending: dict[int, _Copy] = {}  # eligible index -> copy in flight
         self._w2_pending: dict[int, _Copy] = {}  # split waits: w13 waited, w2 not yet
+        self.missed_w2_waits = 0  # layers whose down GEMM ran without before_down_proj (split then off)
         self._timing: deque[_Copy] = deque()  # waited copies whose times are not read yet
         self._executor: ThreadPoolExecutor | None = None
         self._stream = None
@@ -239,8 +243,9 @@ class StagingEngine:
                 self._unprefetched += self.mode == "async"
                 self._launch(i)
             copy = self._pending.pop(i)
-            self._wait(copy, copy.w13_done if self.split_w2_wait else copy.w2_done)
-            if self.split_w2_wait:
+            copy.split = self.split_w2_wait
+            self._wait(copy, copy.w13_done if copy.split else copy.w2_done)
+            if copy.split:
                 self._w2_pending[i] = copy
             self._reader_open[i % 2] = True
         nxt = bisect.bisect_right(self._layer_ids, layer_id)
@@ -259,7 +264,12 @@ class StagingEngine:
         i = self._index.get(layer_id)
         if i is None or self._is_capturing():
             return
-        self.before_down_proj(layer_id)  # a caller that never split the wait still orders w2 before reuse
+        if i in self._w2_pending:  # split waits, but nothing waited for w2 before the down GEMM read it
+            self.missed_w2_waits += 1
+            self.split_w2_wait = False  # wait for both at before_moe from the next layer on
+            logger.warning("vamp: layer %d's down GEMM ran without waiting for its staged w2; split "
+                           "w13/w2 waits are off from now on", layer_id)
+            self.before_down_proj(layer_id)  # and order w2 before the slot is refilled
         if self._stream is not None:
             self._slot_free[i % 2].record(torch.cuda.current_stream(self._stream.device))
         self._reader_open[i % 2] = False
@@ -351,7 +361,7 @@ class StagingEngine:
             copy = self._timing.popleft()
             if copy.reached is not None:  # CUDA: device clocks
                 copy.copy_s = copy.start.elapsed_time(copy.w2_done) / 1e3
-                copy.wait_s = max(0.0, copy.reached.elapsed_time(copy.w13_done if self.split_w2_wait
+                copy.wait_s = max(0.0, copy.reached.elapsed_time(copy.w13_done if copy.split
                                                                  else copy.w2_done)) / 1e3
                 copy.stalled = copy.wait_s > 0
             self._copy_s += copy.copy_s
