@@ -2,16 +2,18 @@
 
 Per-node reuse statistics (`NodeStats`) and the admission ledger behind the observed hit rate, the
 eviction order (`CostOrder`: lowest p_eff of Eq. 1 first, priced by C_c of Eq. 2), the read-only walk that predicts what an eviction
-would free and cost (`walk`), and the histograms `/vamp/stats` reports. The SGLang tree these
+would free and cost (`walk`), what evicting from a hybrid model's cache loses (`hybrid`), and the
+histograms `/vamp/stats` reports. The SGLang tree these
 run on is built in `vamp_sglang.integration.radix`.
 """
 
 from vamp_sglang.cache.histogram import pow2_histogram
+from vamp_sglang.cache.hybrid import HybridTree, tokens_losing_reuse
 from vamp_sglang.cache.node_stats import AdmissionLedger, NodeStats
 from vamp_sglang.cache.ordering import CostOrder
 from vamp_sglang.cache.walk import EvictableTree, EvictionEstimate, estimate, eviction_order
 
 __all__ = [
-    "AdmissionLedger", "CostOrder", "EvictableTree", "EvictionEstimate", "NodeStats", "estimate",
-    "eviction_order", "pow2_histogram",
+    "AdmissionLedger", "CostOrder", "EvictableTree", "EvictionEstimate", "HybridTree", "NodeStats", "estimate",
+    "eviction_order", "pow2_histogram", "tokens_losing_reuse",
 ]

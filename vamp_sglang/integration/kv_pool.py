@@ -9,6 +9,9 @@ list holds ids `1..size`, and a dozen by-value copies of the size taken at start
 - grows or shrinks the allocator's id space (shrinking only over free tail ids);
 - republishes the size everywhere SGLang copied it (`publish_pool_size`, listed in `SIZE_COPIES`).
 
+A hybrid model's `HybridLinearKVPool` wraps one such pool for its full-attention layers and keeps its
+own copy of the size; the allocator serves the wrapper, which then mirrors every resize.
+
 Token id t lives in buffer row t (row 0 is SGLang's padding slot), so the pool of size N uses rows
 [0, N + page_size). The buffers hold whole pages, so at start they have a few spare rows past that;
 those stay unused, and every row gained later is handed to SGLang one for one.
@@ -30,6 +33,7 @@ from vamp_sglang.memory.layout import ExpertLayout
 # Every by-value copy of the pool size, refreshed by `publish_pool_size` (owner: attribute).
 SIZE_COPIES = (
     "allocator.size", "allocator.num_pages (paged)", "token_to_kv_pool.size",
+    "HybridLinearKVPool.size (hybrid models: the wrapper of the full-attention pool)",
     "model_runner.max_total_num_tokens", "model_runner.memory_pool_config.max_total_num_tokens",
     "scheduler.max_total_num_tokens", "scheduler.pool_stats_observer.max_total_num_tokens",
     "scheduler.invariant_checker.max_total_num_tokens", "scheduler.load_inquirer.max_total_num_tokens",
@@ -67,6 +71,7 @@ class GrowablePool:
         self.page_size = int(pool.page_size)
         self.baseline_tokens = int(pool.size)
         self.baseline_rows = kv.row_capacity  # rows mapped at start (>= baseline_tokens + page_size)
+        self.size_mirrors: list[Any] = []  # wrappers keeping a copy of the size (HybridLinearKVPool)
         pool.k_buffer = [self._alias(t) for t in kv.k_buffers]
         pool.v_buffer = [self._alias(t) for t in kv.v_buffers]
 
@@ -88,6 +93,8 @@ class GrowablePool:
             if zero_new_rows and new_rows > old_rows:
                 sglang_view[old_rows:new_rows].zero_()
         self.pool.size = new_tokens
+        for wrapper in self.size_mirrors:
+            wrapper.size = new_tokens
 
     def _alias(self, buffer: torch.Tensor) -> torch.Tensor:
         """A tensor over `buffer`'s storage with exactly the rows SGLang expects (size + page_size)."""
@@ -111,6 +118,8 @@ def lay_pool_over_growable(pool: Any, backend: PageBackend, layout: ExpertLayout
 # ---- the allocator's id space ---------------------------------------------------------------------
 
 def check_allocator(allocator: Any, pool: GrowablePool) -> None:
+    """The allocator must serve the pool VAMP laid out, or the hybrid wrapper around it (which is
+    then bound to mirror the pool's size)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
@@ -118,8 +127,12 @@ def check_allocator(allocator: Any, pool: GrowablePool) -> None:
         raise UnsupportedPoolError(f"VAMP cannot grow allocator {type(allocator).__name__}")
     if allocator.need_sort:
         raise UnsupportedPoolError("VAMP cannot grow a sorted (PD-disaggregation) allocator")
-    if allocator.get_kvcache() is not pool.pool or allocator.size != pool.pool.size:
+    kvcache = allocator.get_kvcache()
+    wrapped = kvcache is not pool.pool and getattr(kvcache, "full_kv_pool", None) is pool.pool
+    if (kvcache is not pool.pool and not wrapped) or allocator.size != pool.pool.size:
         raise UnsupportedPoolError("the scheduler's allocator does not serve the pool VAMP laid out")
+    if wrapped and kvcache not in pool.size_mirrors:
+        pool.size_mirrors.append(kvcache)
 
 
 def _units(allocator: Any, tokens: int) -> int:

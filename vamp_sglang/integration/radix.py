@@ -17,6 +17,11 @@ admission sees, in one place, the matched prefix AND the prompt length, which gi
 hit rate: the tree-wide rate of Eq. 1 (the runtime's one `AdmissionLedger`, which the tree reads)
 and the prior of the nodes this request then writes (`checkpoint_into_tree`, `NodeStats.prior`).
 
+Hybrid models (a MAMBA component: Qwen3-Next's linear-attention state) follow SGLang's reuse rule
+(cache/hybrid.py): a match ends at the deepest node holding a state, so a stateless leaf is evicted
+first (priority below every p_eff) and costs nothing, and a leaf with a state is priced by every
+token its eviction makes unreachable, its stateless ancestors included.
+
 Every eviction prices each leaf once: priorities are memoised per node for the current step and
 tree-wide hit rate (a node's own change drops its entry), so the planner's read-only walk and
 SGLang's eviction heap that follows it share one computation.
@@ -37,10 +42,12 @@ from vamp_sglang.cache import (
     AdmissionLedger,
     CostOrder,
     EvictionEstimate,
+    HybridTree,
     NodeStats,
     estimate,
     eviction_order,
     pow2_histogram,
+    tokens_losing_reuse,
 )
 from vamp_sglang.config import VampConfig
 from vamp_sglang.policy.costs import Coefficients
@@ -49,6 +56,8 @@ from vamp_sglang.policy.snapshot import EvictableBlock
 
 NAME = "vamp"  # the backend, tree-core and eviction-policy name
 _FULL = ComponentType.FULL
+_MAMBA = ComponentType.MAMBA
+DEAD_PRIORITY = -1.0  # below every p_eff: a hybrid node no match can end in goes first
 HITS_HISTOGRAM_TOP = 64
 AGE_HISTOGRAM_TOP_STEPS = 65536
 
@@ -82,6 +91,7 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         super().__init__(params, components)
+        self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
         if isinstance(self.eviction_strategy, VampStrategy):
             self.eviction_strategy.bind(self.vamp_priority)
 
@@ -129,7 +139,13 @@ class VampTreeCore(UnifiedTreeCore):
     def node_tokens(self, node: UnifiedTreeNode) -> int:
         return self.components_by_type[_FULL].reclaimable_value_len(node)
 
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        """A hybrid node holds a linear-attention state checkpoint (on device) at its end."""
+        return node.component_data[_MAMBA].value is not None
+
     def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
+        if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
+            return (DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
         key = (self.now_steps(), self.vamp_ledger.hit_rate)
         if key != self.vamp_priority_key:
             self.vamp_priorities.clear()
@@ -144,9 +160,11 @@ class VampTreeCore(UnifiedTreeCore):
         prior = node.vamp_stats.prior
         return self.vamp_ledger.hit_rate if prior is None else prior
 
-    def node_cost_s(self, node: UnifiedTreeNode) -> float:
-        return self.vamp_order.cost_s(self.node_tokens(node), node.vamp_stats, self.now_steps(),
-                                      self.vamp_ledger.hit_rate)
+    def cost_of_losing_s(self, node: UnifiedTreeNode, lost_tokens: int) -> float:
+        """C_c (Eq. 2) of `node` when its eviction makes `lost_tokens` unreachable (0: nothing lost)."""
+        if not lost_tokens:
+            return 0.0
+        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.vamp_ledger.hit_rate)
 
     def device_nodes(self) -> list[UnifiedTreeNode]:
         return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]
@@ -163,6 +181,43 @@ class VampUnifiedRadixCache(UnifiedRadixCache):
     def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
         self.tree_core.vamp_evicted_tokens += num_evicted
         super().update_eviction_metrics(num_evicted, start_time)
+
+
+class _HybridView(HybridTree[UnifiedTreeNode]):
+    """`cache.hybrid.HybridTree` over a live hybrid `VampTreeCore` (device KV and states)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+
+    def parent(self, node: UnifiedTreeNode) -> UnifiedTreeNode | None:
+        parent = node.parent
+        return None if parent is None or parent is self.core.root_node else parent
+
+    def children(self, node: UnifiedTreeNode) -> list[UnifiedTreeNode]:
+        return [c for c in node.children.values() if c.component_data[_FULL].value is not None]
+
+    def tokens(self, node: UnifiedTreeNode) -> int:
+        return self.core.node_tokens(node)
+
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        return self.core.has_state(node)
+
+
+class LostTokens:
+    """Tokens each node's eviction makes unreachable, for nodes taken in eviction order: each call
+    assumes the nodes asked about before it are gone (a plain tree loses a node's own tokens)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+        self.view = _HybridView(core) if core.vamp_hybrid else None
+        self.gone: set[UnifiedTreeNode] = set()
+
+    def __call__(self, node: UnifiedTreeNode) -> int:
+        if self.view is None:
+            return self.core.node_tokens(node)
+        lost = tokens_losing_reuse(self.view, node, self.gone)
+        self.gone.add(node)
+        return lost
 
 
 class _DeviceTreeView:
@@ -219,21 +274,22 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     may ask the tree for (`eviction_need_tokens`), each with the prior the tree prices it with."""
     core = tree_core_of(tree_cache)
     need = eviction_need_tokens(gap_tokens, free_tokens, running_requests, retract_buffer_tokens)
-    now, out, covered = core.now_steps(), [], 0
+    now, out, covered, lost = core.now_steps(), [], 0, LostTokens(core)
     for node in eviction_order(_DeviceTreeView(core)):
         if covered >= need:
             break
         tokens = core.node_tokens(node)
         covered += tokens
         out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
-                                  core.prior_hit_rate(node)))
+                                  core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None))
     return out
 
 
 def eviction_plan(tree_cache: Any, n_tokens: int) -> EvictionEstimate:
     """The nodes `tree_cache.evict(EvictParams(num_tokens=n_tokens))` would free now, and their C_c."""
     core = tree_core_of(tree_cache)
-    return estimate(_DeviceTreeView(core), n_tokens, core.node_cost_s)
+    lost = LostTokens(core)
+    return estimate(_DeviceTreeView(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)))
 
 
 def estimate_eviction(tree_cache: Any, n_tokens: int) -> tuple[int, float]:

@@ -113,7 +113,9 @@ class _TreeEviction:
             e = blocks[self.next_index]
             self.next_index += 1
             self.freed += e.tokens
-            self.cost_s += cached_block_cost_s(e.tokens, e.hits, e.age_steps, e.prior_hit_rate, self.c)
+            # a hybrid node no match can reach (no state below it) costs nothing to drop
+            self.cost_s += cached_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate,
+                                               self.c) if e.lost_tokens else 0.0
         return self.freed >= need_tokens
 
 

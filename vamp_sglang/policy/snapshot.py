@@ -6,7 +6,8 @@ Validation lives in `Snapshot.__post_init__`, so a snapshot built in code is hel
 rules as one parsed from a file, and every error names the offending field by its JSON path.
 
     {"site": "prefill" | "decode", "gap_tokens": int, "free_tokens": int,
-     "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float}, ...],
+     "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float,
+                    "reprefill_tokens": int}, ...],                 # reprefill_tokens: optional
      "offload": {"headroom_groups": int, "tokens_by_groups": [int, ...], "shards_per_group": int,
                  "local_experts": int, "top_k": int, "decode_budget_min": int},
      "preempt": [{"partial_tokens": int, "tokens": int, "decode_tokens": int}, ...],
@@ -19,6 +20,9 @@ rules as one parsed from a file, and every error names the offending field by it
 tokens) in the order the tree will evict them, each with the hit-rate prior the tree prices it
 with (its writer's rate, or the tree-wide rate), so the planner prices what eviction really
 removes, at the tree's own price. The list is cut once it covers the most any plan could ask for.
+`reprefill_tokens` (hybrid models only) is what evicting the node makes no match reach any more
+(cache/hybrid.py: a node without a linear-attention state below it is already dead, 0; a leaf's
+stateless ancestors die with it); without it a node re-prefills its own `tokens`.
 `tokens_by_groups[n - 1]` is the exact KV tokens offloading n more groups adds on every rank
 (never an average: pages per buffer round down, so the first group can add 0).
 `preempt` lists running requests in the order SGLang's `retract_decode` would retract them (the
@@ -52,6 +56,12 @@ class EvictableBlock:
     hits: int  # admitted requests that reused this node
     age_steps: int  # scheduler steps since its last use
     prior_hit_rate: float  # r_hit prior of Eq. 1 the tree uses for this node (writer's rate or tree-wide)
+    reprefill_tokens: int | None = None  # hybrid: tokens whose reuse its eviction ends (None: `tokens`)
+
+    @property
+    def lost_tokens(self) -> int:
+        """The n_tok of Eq. 2: what a future request re-prefills because this node went."""
+        return self.tokens if self.reprefill_tokens is None else self.reprefill_tokens
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,8 @@ class Snapshot:
             site=top["site"],
             gap_tokens=top["gap_tokens"],
             free_tokens=top["free_tokens"],
-            evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)))
+            evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)[:-1],
+                                                     optional=("reprefill_tokens",)))
                             for i, e in enumerate(_list(top["evictable"], "snapshot.evictable"))),
             offload=OffloadState(**offload),
             preempt=tuple(PreemptCandidate(**_fields(p, f"snapshot.preempt[{i}]", _names(PreemptCandidate)))
@@ -130,7 +141,8 @@ class Snapshot:
         offload = dataclasses.asdict(self.offload)
         offload["tokens_by_groups"] = list(self.offload.tokens_by_groups)
         d = {"site": self.site, "gap_tokens": self.gap_tokens, "free_tokens": self.free_tokens,
-             "evictable": [dataclasses.asdict(e) for e in self.evictable],
+             "evictable": [{k: v for k, v in dataclasses.asdict(e).items()
+                            if not (k == "reprefill_tokens" and v is None)} for e in self.evictable],
              "offload": offload,
              "preempt": [dataclasses.asdict(p) for p in self.preempt],
              "retract_buffer_tokens": self.retract_buffer_tokens,
@@ -193,6 +205,8 @@ def _validate(s: Snapshot) -> None:
         _int(e.hits, f"snapshot.evictable[{i}].hits", 0)
         _int(e.age_steps, f"snapshot.evictable[{i}].age_steps", 0)
         _rate(e.prior_hit_rate, f"snapshot.evictable[{i}].prior_hit_rate")
+        if e.reprefill_tokens is not None:
+            _int(e.reprefill_tokens, f"snapshot.evictable[{i}].reprefill_tokens", 0)
     o = s.offload
     _int(o.headroom_groups, "snapshot.offload.headroom_groups", 0)
     if len(o.tokens_by_groups) != o.headroom_groups:
