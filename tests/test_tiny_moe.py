@@ -115,3 +115,56 @@ def test_cli_prints_summary(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "mixtral" in line and "expert_bytes_per_layer=49152 " in line and "kv_bytes_per_token=128 " in line
     assert read_manifest(tmp_path)["spec"]["experts"] == 4
+
+
+NEXT_SMALL = {"layers": 4, "experts": 8, "hidden": 64, "intermediate": 32, "heads": 4, "kv_heads": 2,
+              "head_dim": 16, "linear_head_dim": 16, "shared_intermediate": 32}
+
+
+@pytest.fixture(scope="module")
+def small_next(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("next"), arch="qwen3_next", seed=1, **NEXT_SMALL)
+
+
+def test_qwen3_next_default_geometry():
+    spec = TinyMoeSpec.for_arch("qwen3_next")
+    assert (spec.layers, spec.full_attention_interval, spec.attention_layers) == (8, 4, (3, 7))
+    assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_head_dim, spec.conv_kernel) == (2, 4, 64, 4)
+    assert spec.expert_bytes_per_layer == 96 * 2**20 and spec.kv_bytes_per_token == 2048
+    assert spec.linear_state_bytes == 6 * (4 * 64 * 64 + 512 * 3) * 4
+    assert TinyMoeSpec.for_arch("qwen3_moe") == TinyMoeSpec()  # other archs keep their defaults
+
+
+def test_qwen3_next_config_is_what_sglang_reads(small_next):
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+
+    config = json.loads((small_next / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["full_attention_interval"] == 4
+    assert config["shared_expert_intermediate_size"] == 32 and config["linear_num_value_heads"] == 4
+    sglang_config = Qwen3NextConfig.from_pretrained(small_next)
+    assert sglang_config.layers_block_type == ["linear_attention"] * 3 + ["attention"]
+    assert read_manifest(small_next)["linear_state_bytes"] == 3 * (4 * 16 * 16 + 128 * 3) * 4
+
+
+def test_qwen3_next_tensors_and_neutral_norms(small_next):
+    from safetensors.torch import load_file
+
+    tensors = load_file(small_next / WEIGHTS)
+    assert tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (2 * 32 + 2 * 64, 64)
+    assert tensors["model.layers.0.linear_attn.conv1d.weight"].shape == (2 * 32 + 64, 1, 4)
+    assert tensors["model.layers.3.self_attn.q_proj.weight"].shape == (4 * 16 * 2, 64)  # query + gate
+    assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert "model.layers.3.linear_attn.A_log" not in tensors and "model.layers.0.self_attn.q_proj.weight" not in tensors
+    assert torch.equal(tensors["model.norm.weight"], torch.zeros(64))  # SGLang's GemmaRMSNorm scales by 1 + w
+    assert torch.equal(tensors["model.layers.0.linear_attn.norm.weight"], torch.ones(16))
+    decay = tensors["model.layers.0.linear_attn.A_log"].exp()
+    assert bool(((decay >= 0.05) & (decay <= 1.0)).all())
+
+
+def test_qwen3_next_same_seed_same_bytes(tmp_path, small_next):
+    again = make_checkpoint(tmp_path / "again", arch="qwen3_next", seed=1, **NEXT_SMALL)
+    assert (again / WEIGHTS).read_bytes() == (small_next / WEIGHTS).read_bytes()
+
+
+def test_existing_arch_manifests_keep_their_fields(small_qwen):
+    assert "linear_head_dim" not in read_manifest(small_qwen)["spec"]

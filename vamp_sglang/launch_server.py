@@ -46,6 +46,7 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     """The few SGLang flags our checks depend on, read without importing SGLang."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--device", default=None)
+    p.add_argument("--model-path", "--model", dest="model_path", default=None)
     p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
     p.add_argument("--pp-size", "--pp", dest="pp_size", type=int, default=1)
     p.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1)
@@ -133,9 +134,13 @@ def prepare(argv: list[str]) -> Launch:
     device = sg.device or "cuda"
     if device == "cpu":
         from vamp_sglang import cpu
+        from vamp_sglang.cpu import hybrid_model
 
         env.update(cpu.cpu_environment(sg.tp_size))
         sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults())
+        if hybrid_model.is_hybrid_linear(sg.model_path):  # Qwen3-Next: the flags its CPU path needs
+            env.update(hybrid_model.hybrid_cpu_environment(os.environ))
+            sglang_argv = _with_defaults(sglang_argv, hybrid_model.hybrid_cpu_defaults())
     return Launch(vamp, sglang_argv, env, device, sg.tp_size)
 
 

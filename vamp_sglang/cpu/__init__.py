@@ -64,6 +64,11 @@ def _bind_per_rank(tp_size: int) -> str:
     return "|".join(str(cores[rank % len(cores)]) for rank in range(tp_size))
 
 
+def in_cpu_mode() -> bool:
+    """True in the processes of a CPU server (the variable `cpu_environment` sets; SGLang's `is_cpu()`)."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
 def cpu_server_defaults() -> list[str]:
     """SGLang flags CPU mode adds when the user did not give them.
 
@@ -76,4 +81,4 @@ def cpu_server_defaults() -> list[str]:
     return ["--attention-backend", "torch_native", "--sleep-on-idle", "--dtype", "float32"]
 
 
-__all__ = ["SHIM_DIR", "cpu_environment", "cpu_server_defaults"]
+__all__ = ["SHIM_DIR", "cpu_environment", "cpu_server_defaults", "in_cpu_mode"]

@@ -37,8 +37,15 @@ def scheduler_setups() -> list[Callable[[Any, Any], None]]:
             decisions.setup_scheduler]
 
 
+def cpu_hooks() -> list[Hook]:
+    """Torch paths for Triton call sites (Qwen3-Next on CPU), placed only in CPU mode: GPUs keep Triton."""
+    from vamp_sglang.cpu import in_cpu_mode, triton_free
+
+    return list(triton_free.HOOKS) if in_cpu_mode() else []
+
+
 def verify_hooks() -> None:
-    verify_applied(all_hooks())
+    verify_applied(all_hooks() + cpu_hooks())
 
 
 def _after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -67,7 +74,7 @@ def register() -> None:
 
     radix.install()  # registry names: the HTTP process parses --radix-eviction-policy vamp too
     if _SCHEDULER_MODULE in sys.modules:
-        register_all(all_hooks())
+        register_all(all_hooks() + cpu_hooks())
     if _HTTP_MODULE in sys.modules:
         from vamp_sglang.integration import stats_route
 

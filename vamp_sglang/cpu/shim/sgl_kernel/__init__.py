@@ -11,7 +11,8 @@ answers those imports:
 - stubs for the speculative-decoding ops that are imported at module level but only called with
   `--speculative-*`, which CPU mode does not support; each raises NotImplementedError naming itself.
 
-It deliberately registers nothing under `torch.ops.sgl_kernel`: SGLang then finds no
+It registers nothing under `torch.ops.sgl_kernel` itself, and `sgl_kernel.mamba` (Qwen3-Next's
+Gated DeltaNet ops, see there) registers only its two ops: SGLang then finds no
 `convert_weight_packed`, keeps the Intel AMX backend off, and runs every layer (MoE included)
 through `forward_native`. Names that SGLang imports inside `try/except ImportError` (rmsnorm,
 `sgl_kernel.scalar_type`, `sgl_kernel.allreduce`) are left out on purpose so its fallbacks run.
