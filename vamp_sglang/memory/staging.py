@@ -22,6 +22,12 @@ therefore recorded once at construction, outside any capture, as SGLang's DWDP w
 Copy and wait times are measured where the work happens (issue 10 item 5): on CUDA with timing events
 read back once they completed (never by querying the copy when the CPU enqueues the wait), on the host
 with the worker's and the waiting thread's clocks.
+
+Routed-only staging (issue 12): a step may instead copy, at each eligible layer once its router ran, only
+the offloaded experts some token selected (memory/routed.py), in the compute stream or thread, with no
+prefetch. `begin_forward(tokens)` picks the step's mode (staging_choice.py: from the measured bandwidths,
+the measured overlap window and the expected distinct experts for that many tokens); `before_moe(layer_id,
+topk_ids)` then stages that way. Both modes write the same aliased rows, so they mix freely across steps.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +47,8 @@ from vamp_sglang.memory.backend import HostArena, PageBackend, PageHandle
 from vamp_sglang.memory.experts import ExpertStore, host_copy_bytes
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.region import PagedRegion
+from vamp_sglang.memory.routed import copy_routed_host, routed_offloaded_runs
+from vamp_sglang.memory.staging_choice import ROUTED, WHOLE, StagingChooser
 
 STAGING_MODES = ("async", "sync")
 logger = logging.getLogger(__name__)
@@ -161,6 +169,8 @@ class StagingStats:
     timed_copies: int  # copies whose times were read back so far (CUDA reads them once they completed)
     step_copy_s: float  # copy_s of the last step whose copies were all read back
     step_wait_s: float  # wait_s of that step
+    by_mode: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # whole / routed: steps, bytes,
+    # copy_s, wait_s (issue 12)
 
 
 @dataclass(eq=False)
@@ -177,16 +187,25 @@ class _Copy:
     wait_s: float = 0.0  # host: measured by the waiting thread
     stalled: bool = False
     split: bool = False  # its layer waited for w13 only at before_moe (w2 before the down GEMM)
+    mode: str = WHOLE  # whole-region prefetch or routed-only copy (issue 12)
+    tokens: int | None = None  # the step's token count, for the staging choice
+    nbytes: int = 0  # whole: bytes staged; routed: filled in once the row count is read
+    rows: Any = None  # routed: distinct offloaded rows copied (host int; CUDA: pinned int32[1] read later)
+    row_bytes: int = 0  # routed: w13 + w2 bytes of one expert
 
 
 class StagingEngine:
     """Fills each eligible layer's offloaded experts one MoE layer ahead (paper V-B, Figure 5)."""
 
     def __init__(self, stores: Sequence[ExpertStore], mode: str = "async",
-                 is_capturing: Callable[[], bool] | None = None, split_w2_wait: bool = False) -> None:
+                 is_capturing: Callable[[], bool] | None = None, split_w2_wait: bool = False,
+                 staging: str = WHOLE, top_k: int | None = None,
+                 routed_copier: Callable[[ExpertStore, torch.Tensor], torch.Tensor] | None = None) -> None:
         """`is_capturing()` says whether the current stream is capturing a CUDA graph (default: torch's
         check on CUDA, never on the host). `split_w2_wait`: `before_moe` waits only for w13 and the
-        caller calls `before_down_proj` before the down projection reads w2 (paper V-B)."""
+        caller calls `before_down_proj` before the down projection reads w2 (paper V-B). `staging`: auto,
+        whole or routed (issue 12); `top_k` is the router's, `routed_copier(store, topk_ids)` enqueues a
+        routed copy on the current CUDA stream and returns its device row count (the host copies itself)."""
         if mode not in STAGING_MODES:
             raise ValueError(f"staging mode must be one of {', '.join(STAGING_MODES)} (got {mode!r})")
         self.mode = mode
@@ -201,6 +220,13 @@ class StagingEngine:
         if is_capturing is None:
             is_capturing = torch.cuda.is_current_stream_capturing if self._cuda else _never
         self._is_capturing = is_capturing
+        if self._cuda and staging != WHOLE and routed_copier is None:
+            raise ValueError(f"staging {staging!r} on CUDA needs a routed_copier")
+        self._routed_copier = routed_copier
+        experts = self._stores[0].w13.shape[0] if self._stores else 0
+        self.chooser = StagingChooser(staging, top_k, experts)
+        self._step_mode, self._step_tokens = WHOLE, None
+        self._by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED)}
         self._pending: dict[int, _Copy] = {}  # eligible index -> copy in flight
         self._w2_pending: dict[int, _Copy] = {}  # split waits: w13 waited, w2 not yet
         self.missed_w2_waits = 0  # layers whose down GEMM ran without before_down_proj (split then off)
@@ -223,22 +249,33 @@ class StagingEngine:
         self._step_open = (-1, 0.0, 0.0)  # (step, copy_s, wait_s) being summed while its copies are read
         self._step_done = (0.0, 0.0)
 
-    def begin_forward(self) -> None:
-        """Prefetch the first eligible layer at forward start (the first MoE layer is resident)."""
+    def begin_forward(self, tokens: int | None = None) -> None:
+        """Pick this step's staging mode for `tokens` tokens (issue 12); whole: prefetch the first
+        eligible layer at forward start (the first MoE layer is resident)."""
         if self._is_capturing():
             return
         self._step += 1
         self._harvest()
-        if self._stores and self.mode == "async":
+        self._step_tokens = tokens
+        store = self._stores[0] if self._stores else None
+        self._step_mode = WHOLE if store is None or not store.offloaded_groups else self.chooser.choose(
+            self._step, tokens, store.staged_bytes(), store.w13.shape[0] - store.boundary_expert,
+            _row_bytes(store))
+        self._by_mode[self._step_mode]["steps"] += 1
+        if self._stores and self.mode == "async" and self._step_mode == WHOLE:
             self._launch(0)
 
-    def before_moe(self, layer_id: int) -> None:
+    def before_moe(self, layer_id: int, topk_ids: torch.Tensor | None = None) -> None:
         """Right before `layer_id`'s MoE kernel: block until its offloaded experts are staged, then start
-        staging the next eligible layer into the other slot (paper V-B)."""
+        staging the next eligible layer into the other slot (paper V-B). In a routed step, copy only the
+        offloaded experts `topk_ids` (the router's, [tokens, k]) selected, and prefetch nothing."""
         if self._is_capturing():
             return
         i = self._index.get(layer_id)
-        if i is not None and self._stores[i].offloaded_groups:
+        routed = self._step_mode == ROUTED and topk_ids is not None
+        if i is not None and self._stores[i].offloaded_groups and routed and i not in self._pending:
+            self._stage_routed(i, topk_ids)
+        elif i is not None and self._stores[i].offloaded_groups:
             if i not in self._pending:
                 self._unprefetched += self.mode == "async"
                 self._launch(i)
@@ -249,7 +286,7 @@ class StagingEngine:
                 self._w2_pending[i] = copy
             self._reader_open[i % 2] = True
         nxt = bisect.bisect_right(self._layer_ids, layer_id)
-        if self.mode == "async" and nxt < len(self._stores):
+        if self.mode == "async" and self._step_mode == WHOLE and nxt < len(self._stores):
             self._launch(nxt)
 
     def before_down_proj(self, layer_id: int) -> None:
@@ -284,7 +321,8 @@ class StagingEngine:
     def stats(self) -> StagingStats:
         self._harvest()
         return StagingStats(self._wait_s, self._copy_s, self._bytes, self._copies, self._stalls,
-                            self._unprefetched, self._step, self._timed, *self._step_done)
+                            self._unprefetched, self._step, self._timed, *self._step_done,
+                            by_mode={m: dict(v) for m, v in self._by_mode.items()})
 
     def close(self) -> None:
         self.drain()
@@ -297,17 +335,44 @@ class StagingEngine:
         if i in self._pending or store.offloaded_groups == 0:
             return
         pairs = store.staging_pairs()  # [(w13 rows, host), (w2 rows, host)]
-        self._bytes += store.staged_bytes()
+        nbytes = store.staged_bytes()
+        self._bytes += nbytes
         self._copies += 1
         if self._stream is not None:
-            self._pending[i] = self._launch_cuda(i % 2, pairs)
+            copy = self._launch_cuda(i % 2, pairs)
         else:
             copy = _Copy(self._step, Future(), Future())
             if self._executor is not None:
                 self._executor.submit(self._copy_host, copy, pairs)
             else:
                 self._copy_host(copy, pairs)
-            self._pending[i] = copy
+        copy.nbytes, copy.tokens = nbytes, self._step_tokens
+        self._pending[i] = copy
+
+    def _stage_routed(self, i: int, topk_ids: torch.Tensor) -> None:
+        """Copy the routed offloaded experts of eligible layer `i` now, in the compute stream or thread:
+        the MoE kernel that follows reads them (issue 12). The copy is all wait (not overlapped)."""
+        store = self._stores[i]
+        self._copies += 1
+        copy = _Copy(self._step, None, None, mode=ROUTED, tokens=self._step_tokens, row_bytes=_row_bytes(store))
+        if self._stream is not None:  # CUDA: device-side copy list and gather, timed by compute-stream events
+            compute = torch.cuda.current_stream(self._stream.device)
+            copy.start, copy.w2_done = _timing_event(), _timing_event()
+            copy.start.record(compute)
+            count = self._routed_copier(store, topk_ids)
+            copy.rows = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            copy.rows.copy_(count, non_blocking=True)  # read at harvest, once the event completed
+            copy.w2_done.record(compute)
+            copy.w13_done, copy.reached = copy.w2_done, copy.start
+        else:
+            start = time.perf_counter()
+            runs = routed_offloaded_runs(topk_ids, store.boundary_expert, store.w13.shape[0])
+            copy_routed_host(store, runs)
+            copy.copy_s = copy.wait_s = time.perf_counter() - start
+            copy.rows = sum(end - first for first, end in runs)
+            copy.w13_done = copy.w2_done = Future()
+            copy.w2_done.set_result(None)
+        self._timing.append(copy)
 
     def _launch_cuda(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _Copy:
         compute = torch.cuda.current_stream(self._stream.device)
@@ -366,6 +431,7 @@ class StagingEngine:
                 copy.stalled = copy.wait_s > 0
             self._copy_s += copy.copy_s
             self._wait_s += copy.wait_s
+            self._account(copy)
             self._stalls += copy.stalled
             self._timed += 1
             step, step_copy, step_wait = self._step_open
@@ -377,6 +443,29 @@ class StagingEngine:
         step, step_copy, step_wait = self._step_open
         if step >= 0 and not self._timing and step < self._step:  # that step's copies are all read
             self._step_done = (step_copy, step_wait)
+
+
+    def _account(self, copy: _Copy) -> None:
+        """Per-mode totals, and the staging choice's measurements, of one copy whose times were read."""
+        store = self._stores[0]
+        offloaded_rows = store.w13.shape[0] - store.boundary_expert
+        if copy.mode == ROUTED:
+            rows = int(copy.rows.item()) if isinstance(copy.rows, torch.Tensor) else copy.rows
+            copy.nbytes = rows * copy.row_bytes
+            self._bytes += copy.nbytes
+            self.chooser.observe_routed(copy.tokens, copy.nbytes, copy.copy_s,
+                                        None if isinstance(copy.rows, torch.Tensor) else rows, offloaded_rows)
+        else:
+            self.chooser.observe_whole(copy.step, copy.tokens, copy.nbytes, copy.copy_s, copy.wait_s)
+        totals = self._by_mode[copy.mode]
+        totals["bytes"] += copy.nbytes
+        totals["copy_s"] += copy.copy_s
+        totals["wait_s"] += copy.wait_s
+
+
+def _row_bytes(store: ExpertStore) -> int:
+    """w13 + w2 bytes of one expert."""
+    return store.w13[0].numel() * store.w13.element_size() + store.w2[0].numel() * store.w2.element_size()
 
 
 def _timing_event() -> torch.cuda.Event:

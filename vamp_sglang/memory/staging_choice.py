@@ -1,0 +1,93 @@
+"""Per-step choice between whole-region prefetch and routed-only staging (issue 12).
+
+Whole (paper IV-D, V-B): each eligible layer's whole offloaded region is copied one MoE layer ahead, so
+only the part of the copy that outlasts the overlap window is paid: max(0, B_whole / bw - window).
+Routed-only: after the router, just the selected offloaded rows are copied, not overlapped, so all of it
+is paid: rows(T) * row_bytes / bw_routed, with rows(T) = n_off * (1-(1-k/E)^T) scaled by the observed
+ratio of distinct routed rows to that expectation (routing is not uniform). The cheaper one per layer
+runs for the whole step; the window grows with the step's token count T, so it is measured per
+power-of-two bucket of T, in whole steps, and whole is re-measured every `explore_every_steps` steps of
+a bucket. Every input is measured online: bandwidths from the copies' own clocks, the window as copy
+time minus exposed wait (a copy that never stalled had a window at least as long as itself).
+"""
+
+from __future__ import annotations
+
+from vamp_sglang.memory.routed import expected_routed_fraction
+
+STAGING_POLICIES = ("auto", "whole", "routed")
+WHOLE, ROUTED = "whole", "routed"
+
+
+def _smooth(old: float | None, sample: float, weight: float = 0.2) -> float:
+    return sample if old is None else old + weight * (sample - old)
+
+
+def token_bucket(tokens: int) -> int:
+    """Steps whose token counts share a power of two share a measured overlap window."""
+    return max(int(tokens), 0).bit_length()
+
+
+class StagingChooser:
+    """Picks `whole` or `routed` for each step under `policy` (auto, whole, routed)."""
+
+    def __init__(self, policy: str, top_k: int | None, experts: int, explore_every_steps: int = 64) -> None:
+        if policy not in STAGING_POLICIES:
+            raise ValueError(f"staging policy must be one of {', '.join(STAGING_POLICIES)} (got {policy!r})")
+        if policy == "auto" and not top_k:
+            raise ValueError("staging policy auto needs the router's top_k")
+        self.policy, self.top_k, self.experts = policy, top_k or 0, experts
+        self.explore_every_steps = explore_every_steps
+        self.whole_bw_bytes_per_s: float | None = None
+        self.routed_bw_bytes_per_s: float | None = None
+        self.routed_ratio = 1.0  # observed distinct offloaded rows / the uniform expectation
+        self._window_s: dict[int, float] = {}  # token bucket -> overlap window per eligible layer
+        self._last_whole_step: dict[int, int] = {}
+
+    def choose(self, step: int, tokens: int | None, whole_layer_bytes: int, offloaded_rows: int,
+               row_bytes: int) -> str:
+        """The mode of a step with `tokens` tokens (None: unknown, whole)."""
+        if self.policy != "auto":
+            return self.policy
+        if tokens is None or offloaded_rows == 0:
+            return WHOLE
+        bucket = token_bucket(tokens)
+        if bucket not in self._window_s or self.whole_bw_bytes_per_s is None \
+                or step - self._last_whole_step.get(bucket, step) >= self.explore_every_steps:
+            return WHOLE
+        return ROUTED if self.routed_s(tokens, offloaded_rows, row_bytes) < self.whole_s(tokens, whole_layer_bytes) \
+            else WHOLE
+
+    def whole_s(self, tokens: int, whole_layer_bytes: int) -> float:
+        """Exposed seconds per layer of a whole-region prefetch."""
+        bw = self.whole_bw_bytes_per_s or float("inf")
+        return max(0.0, whole_layer_bytes / bw - self._window_s.get(token_bucket(tokens), 0.0))
+
+    def routed_s(self, tokens: int, offloaded_rows: int, row_bytes: int) -> float:
+        """Seconds per layer of a routed-only copy (not overlapped)."""
+        bw = self.routed_bw_bytes_per_s or self.whole_bw_bytes_per_s or float("inf")
+        return self.expected_rows(tokens, offloaded_rows) * row_bytes / bw
+
+    def expected_rows(self, tokens: int, offloaded_rows: int) -> float:
+        fraction = expected_routed_fraction(self.top_k, self.experts, tokens)
+        return min(offloaded_rows, offloaded_rows * fraction * self.routed_ratio)
+
+    def observe_whole(self, step: int, tokens: int | None, nbytes: int, copy_s: float, wait_s: float) -> None:
+        """One whole-region copy, with its measured copy time and the compute side's exposed wait."""
+        if copy_s <= 0 or nbytes <= 0:
+            return
+        self.whole_bw_bytes_per_s = _smooth(self.whole_bw_bytes_per_s, nbytes / copy_s)
+        if tokens is not None:
+            bucket = token_bucket(tokens)
+            self._window_s[bucket] = _smooth(self._window_s.get(bucket), max(copy_s - wait_s, 0.0))
+            self._last_whole_step[bucket] = step
+
+    def observe_routed(self, tokens: int | None, nbytes: int, copy_s: float, rows: int | None,
+                       offloaded_rows: int) -> None:
+        """One routed-only copy; `rows` is the distinct offloaded rows it copied when known (host)."""
+        if copy_s > 0 and nbytes > 0:
+            self.routed_bw_bytes_per_s = _smooth(self.routed_bw_bytes_per_s, nbytes / copy_s)
+        if rows is not None and tokens and offloaded_rows and self.top_k:
+            expected = offloaded_rows * expected_routed_fraction(self.top_k, self.experts, tokens)
+            if expected > 0:
+                self.routed_ratio = _smooth(self.routed_ratio, rows / expected)
