@@ -24,7 +24,7 @@ def served(tmp_path_factory):
     model = ensure_tiny_model(MODEL)
     setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
     flags = ("--vamp-max-offload-ratio", RATIO, "--vamp-initial-offload-ratio", RATIO,
-             "--vamp-restore-after-steps", "0")
+             "--vamp-restore-after-steps", "0", "--vamp-staging", "whole")  # the planner prices whole staging
     with Server(setup, ServerConfig("capacity", flags)) as server:
         at_start = get_json(f"{server.url}/vamp/stats")
         info = get_json(f"{server.url}/server_info")

@@ -214,15 +214,21 @@ def moe_outputs(layers, experts, x, topk):
     return outs
 
 
+def router_outputs(g, tokens):
+    """Per layer, top-2 (weights, int32 ids, logits) of random router logits for `tokens` tokens."""
+    topk = []
+    for _ in range(LAYERS):
+        logits = torch.randn(tokens, E, generator=g)
+        w, ids = torch.topk(torch.softmax(logits, -1), 2)
+        topk.append((w, ids.to(torch.int32), logits))
+    return topk
+
+
 def test_moe_outputs_exact_at_every_offload_level(vamp):
     _, _, memory = vamp.build()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(64, H, generator=g)
-    topk = []
-    for _ in range(LAYERS):
-        logits = torch.randn(64, E, generator=g)
-        w, ids = torch.topk(torch.softmax(logits, -1), 2)
-        topk.append((w, ids.to(torch.int32), logits))
+    topk = router_outputs(g, 64)
     ids_used = torch.unique(torch.cat([t[1].flatten() for t in topk]))
     assert int(ids_used.max()) == E - 1, "the routing must reach the offloaded (high-index) experts"
     reference = moe_outputs(vamp.layers, vamp.experts, x, topk)
@@ -268,3 +274,60 @@ def test_hooks_pass_through_when_vamp_is_off(sglang_moe, monkeypatch):
         odd = MHATokenToKVPool.__new__(MHATokenToKVPool)
         odd.kv_cache_layout, odd.head_dim, odd.v_head_dim, odd.enable_custom_mem_pool = "nhd", 64, 32, False
         kv_pool.check_pool(odd)
+
+
+@pytest.mark.parametrize("policy", ["routed", "auto"])
+def test_routed_staging_through_sglangs_moe_is_exact_and_reported(vamp, policy):
+    """Issue 12 through the real hook and SGLang's CPU MoE kernel: the router's top-k ids reach the
+    staging break, only routed offloaded rows are copied (NaN in every other staged row is never read),
+    and /vamp/stats and the vamp:* series carry the per-mode figures."""
+    from vamp_sglang.integration.metrics import GAUGES, _lookup
+    from vamp_sglang.memory.staging import StagingEngine
+
+    _, _, memory = vamp.build()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, H, generator=g)
+    topk = router_outputs(g, 4)
+    reference = moe_outputs(vamp.layers, vamp.experts, x, topk)
+    vamp.experts.engine.close()
+    vamp.experts.engine = StagingEngine(vamp.experts.stores, staging=policy, top_k=2)
+    memory.offload(2, memory.tokens_for(2))
+    for _ in range(3):
+        for store in vamp.experts.stores:
+            for dst, _ in store.staging_pairs():
+                dst.fill_(float("nan"))
+        out = moe_outputs(vamp.layers, vamp.experts, x, topk)
+        assert all(torch.equal(a, b) for a, b in zip(out, reference))
+    stats = memory.stats()["staging"]
+    assert stats["policy"] == policy and set(stats["modes"]) == {"whole", "routed"}
+    assert stats["modes"]["whole"]["steps"] + stats["modes"]["routed"]["steps"] == stats["steps"]
+    if policy == "routed":
+        whole = 3 * sum(s.staged_bytes() for s in vamp.experts.stores)
+        assert 0 < stats["bytes"] == stats["modes"]["routed"]["bytes"] < whole
+    for name, _, path in GAUGES:
+        if name.startswith("vamp:staging") or name == "vamp:staged_bytes_total":
+            assert _lookup({"staging": stats}, path) is not None, name
+
+
+def test_the_full_attention_pool_grows_under_its_hybrid_wrapper(vamp):
+    """Our pool hook lays the wrapper's full-attention pool over growable buffers; an offload grows it,
+    and the wrapper (which SGLang's allocator and model runner read) sees the new size."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from tests.test_hybrid import req_pool
+
+    reqs = req_pool()
+    wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,
+                                 head_dim=HEAD_DIM, full_attention_layer_ids=list(range(LAYERS)), device="cpu",
+                                 mamba_pool=reqs.mamba_pool)
+    alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
+    assert em._process.pool.pool is wrapper.full_kv_pool
+    memory = em.ExpertMemory(vamp.experts, em._process.pool, alloc, publish=dict, quiesce=lambda: None)
+    vamp.memory = memory
+    memory.offload(1, tokens_per_group())
+    grown = POOL_TOKENS + tokens_per_group()
+    assert (alloc.size, wrapper.size, wrapper.full_kv_pool.size) == (grown, grown, grown)
+    assert wrapper.get_key_buffer(LAYERS - 1).shape[0] == grown + 1
+    memory.restore(1)
+    assert (alloc.size, wrapper.size) == (POOL_TOKENS, POOL_TOKENS)

@@ -55,6 +55,8 @@ BAD_FLAGS = [
     (["--vamp-tpot-slo-ms", "nan"], "--vamp-tpot-slo-ms"),
     (["--vamp-tpot-slo-ms", "inf"], "--vamp-tpot-slo-ms"),
     (["--vamp-tpot-slo-ms", "fast"], "--vamp-tpot-slo-ms"),
+    (["--vamp-staging", "fast"], "--vamp-staging"),
+    (["--vamp-staging", ""], "--vamp-staging"),
 ]
 
 
@@ -101,6 +103,19 @@ def test_tpot_slo_is_off_by_default_and_travels_to_the_schedulers_when_set():
     assert json.loads(launch_server.prepare(MODEL).env["VAMP_SGLANG_CONFIG"])["tpot_slo_ms"] is None
     launch = launch_server.prepare(MODEL + ["--vamp-tpot-slo-ms", "120.5"])
     assert json.loads(launch.env["VAMP_SGLANG_CONFIG"])["tpot_slo_ms"] == 120.5
+
+
+def test_staging_defaults_to_auto_is_checked_by_validate_and_travels_to_the_schedulers():
+    import json
+
+    assert VampConfig().staging == "auto"
+    with pytest.raises(ConfigError, match="--vamp-staging must be one of auto, whole, routed"):
+        VampConfig(staging="prefetch").validate()
+    launch = launch_server.prepare(MODEL + ["--vamp-staging", "routed"])
+    assert json.loads(launch.env["VAMP_SGLANG_CONFIG"])["staging"] == "routed"
+    proc = subprocess.run([sys.executable, "-m", "vamp_sglang.launch_server", *MODEL, "--vamp-staging", "fast"],
+                          check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--vamp-staging" in proc.stderr and "auto" in proc.stderr
 
 
 def test_defaults_are_the_papers():

@@ -23,6 +23,7 @@ ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "por
 
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
+STAGING = ("auto", "whole", "routed")  # memory/staging_choice.py (issue 12)
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,7 @@ class VampConfig:
     controller_port: int = 0  # --nnodes > 1: the rank controller's TCP port; 0 = --dist-init-addr port + 7
     controller_key_file: str | None = None  # --nnodes > 1: the deployment's CURVE key pair (mode 0600)
     tpot_slo_ms: float | None = None  # TPOT SLO: no offload projected past it (policy/tpot_guard); None: off
+    staging: str = "auto"  # whole-region prefetch (paper IV-D), routed-only copies, or a per-step choice
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +75,7 @@ class VampConfig:
             (self.page_backend in PAGE_BACKENDS,
              f"--vamp-page-backend must be one of {', '.join(PAGE_BACKENDS)}"),
             (0 <= self.controller_port <= 65535, "--vamp-controller-port must be in [0, 65535] (0: dist-init + 7)"),
+            (self.staging in STAGING, f"--vamp-staging must be one of {', '.join(STAGING)}"),
             (self.tpot_slo_ms is None or (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0),
              "--vamp-tpot-slo-ms must be a positive finite number of milliseconds"),
         ]
@@ -149,6 +152,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = POLICIES
         if field.name == "page_backend":
             kwargs["choices"] = PAGE_BACKENDS
+        if field.name == "staging":
+            kwargs["choices"] = STAGING
         group.add_argument(_flag(field.name), **kwargs)
 
 

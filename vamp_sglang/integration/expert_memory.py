@@ -119,6 +119,9 @@ class ExpertMemory:
                         "step_wait_s": round(staging.step_wait_s, 6), "step_copy_s": round(staging.step_copy_s, 6),
                         "bytes": staging.bytes_staged, "copies": staging.copies, "stalls": staging.stalls,
                         "steps": staging.steps, "pinned_bytes": self.experts.staging_buffers.pinned_bytes,
+                        "policy": self.experts.engine.chooser.policy,
+                        "modes": {mode: {k: round(v, 6) for k, v in totals.items()}
+                                  for mode, totals in staging.by_mode.items()},
                         "split_w2_wait": self.experts.engine.split_w2_wait,
                         "missed_w2_waits": self.experts.engine.missed_w2_waits},
         }
@@ -202,7 +205,8 @@ def _after_model_runner_initialize(result: Any, runner: Any, *args: Any, **kwarg
     if _process is not None:
         raise RuntimeError("vamp: a second target model in one scheduler process is not supported")
     backend = select_backend(config.page_backend, moe_staging.expert_device(runner.model))
-    experts = moe_staging.convert_experts(runner.model, backend, config.max_offload_ratio)
+    experts = moe_staging.convert_experts(runner.model, backend, config.max_offload_ratio,
+                                           staging_policy=config.staging)
     _process = _Process(backend, experts)
     lay = experts.layout
     logger.info("vamp: experts paged: %d eligible layers x %d groups of %d experts, bound %d groups, "
@@ -217,9 +221,10 @@ def _around_create_buffers_normal(original: Callable, pool: Any, *args: Any, **k
     return None
 
 
-def _before_forward_raw(runner: Any, *args: Any, **kwargs: Any) -> None:
+def _before_forward_raw(runner: Any, forward_batch: Any = None, *args: Any, **kwargs: Any) -> None:
     if _process is not None and not runner.is_draft_worker:
-        _process.experts.engine.begin_forward()
+        input_ids = getattr(kwargs.get("forward_batch", forward_batch), "input_ids", None)
+        _process.experts.engine.begin_forward(None if input_ids is None else int(input_ids.shape[0]))
 
 
 def _around_run_moe_core(original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:

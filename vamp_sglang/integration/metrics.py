@@ -23,6 +23,12 @@ GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vamp:reclaimed_bytes", "Expert bytes now serving as KV memory", ("experts", "reclaimed_bytes")),
     ("vamp:staging_wait_seconds_total", "Time MoE layers waited for staged experts", ("staging", "wait_s")),
     ("vamp:staged_bytes_total", "Bytes copied into the staging buffers", ("staging", "bytes")),
+    ("vamp:staging_copy_seconds_total", "Time the staging copies took", ("staging", "copy_s")),
+    *[(f"vamp:staging_{mode}_{key}_total", f"{what} ({mode} staging steps)", ("staging", "modes", mode, path))
+      for mode in ("whole", "routed")
+      for key, what, path in (("steps", "Forwards", "steps"), ("bytes", "Bytes staged", "bytes"),
+                              ("copy_seconds", "Staging copy time", "copy_s"),
+                              ("wait_seconds", "Time MoE layers waited for staged experts", "wait_s"))],
     ("vamp:remap_seconds_total", "Time spent remapping pages", ("experts", "remap_s")),
     ("vamp:preemptions_avoided_total", "Decode shortfalls covered without preemption", ("preemptions_avoided",)),
     ("vamp:decision_errors_total", "Shortfalls our decision code failed on (SGLang's eviction covered them)",

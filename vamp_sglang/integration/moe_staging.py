@@ -25,6 +25,12 @@ for SMs, while our copies run on the copy engines from pinned memory, the path t
 gather also needs a JIT-built kernel and a fork/join of streams inside the capture. The cost of ours is
 one graph segment boundary and one Python call per eligible layer and step.
 
+Routed-only staging (issue 12): the break also passes the router's top-k ids (the `topk_output` that
+reaches `run_moe_core`), so a routed step copies only the selected offloaded experts right there; on
+CUDA through SGLang's gather with a device-built copy list (routed_gather.py), which needs no host sync
+and so keeps the graph segments and replays as they are. The break's tensor argument is the capture-time
+top-k buffer, which every replay refills in place.
+
 Paper V-B: the gate-up GEMM needs only w13, so where SGLang runs the two GEMMs as separate launches
 (its Triton MoE: two `invoke_fused_moe_kernel` calls in `_fused_moe_kernel_sequence`) the layer waits
 for w13 at `before_moe` and for w2 right before the down GEMM (`invoke_fused_moe_kernel_staged`, a
@@ -134,7 +140,7 @@ def compute_layout(layers: list[Any], granularity_bytes: int, max_offload_ratio:
 
 
 def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ratio: float,
-                    staging_mode: str = "async") -> ModelExperts:
+                    staging_mode: str = "async", staging_policy: str = "whole") -> ModelExperts:
     """Rebuild every eligible layer's w13/w2 over an ExpertStore, in place (`param.data` swap)."""
     layers = find_moe_layers(model)
     if not layers:
@@ -154,7 +160,13 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         layer.replace_expert_tensor("w2_weight", store.w2)
         if backend.device.type == "cuda":
             torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
-    engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device))
+    copier = None
+    if backend.device.type == "cuda" and staging_policy != "whole" and stores:
+        from vamp_sglang.integration.routed_gather import GatherCopier
+
+        copier = GatherCopier(stores)
+    engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
+                           staging=staging_policy, top_k=int(layers[0].top_k), routed_copier=copier)
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
                         {s.w2.data_ptr(): s.layer_id for s in stores})
 
@@ -165,7 +177,7 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
     """`FusedMoE.run_moe_core` after the staging break (`before_moe`) and before `after_moe`."""
     if experts.layers.get(layer.layer_id) is not layer or not staging_breaks(experts):
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
-    staging_break()(experts.engine, layer.layer_id)
+    staging_break()(experts.engine, layer.layer_id, routed_ids(*args, **kwargs))
     out = original(layer, *args, **kwargs)
     experts.engine.after_moe(layer.layer_id)
     return out
@@ -193,16 +205,25 @@ def w2_break() -> Callable[[StagingEngine, int], None]:
     return vamp_wait_w2
 
 
+def routed_ids(dispatch_output: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """The router's top-k ids `[tokens, k]` in `run_moe_core(dispatch_output)`, or None (formats
+    without them: the layer then stages its whole region)."""
+    dispatch_output = kwargs.get("dispatch_output", dispatch_output)
+    topk_ids = getattr(getattr(dispatch_output, "topk_output", None), "topk_ids", None)
+    return topk_ids if isinstance(topk_ids, torch.Tensor) else None
+
+
 @functools.cache
-def staging_break() -> Callable[[StagingEngine, int], None]:
-    """`engine.before_moe(layer_id)` as an `eager_on_graph` break: eager between the segments of a
-    breakable CUDA graph (capture and every replay), a plain call everywhere else. Its arguments are an
-    object and an int, so a replay passes the same engine and reads its live state."""
+def staging_break() -> Callable[[StagingEngine, int, torch.Tensor | None], None]:
+    """`engine.before_moe(layer_id, topk_ids)` as an `eager_on_graph` break: eager between the segments
+    of a breakable CUDA graph (capture and every replay), a plain call everywhere else. Its arguments are
+    an object, an int and the router's top-k tensor, so a replay passes the same engine, which reads its
+    live state, and the capture-time top-k buffer, which holds this replay's ids (issue 12)."""
     from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
 
     @eager_on_graph
-    def vamp_stage_experts(engine: StagingEngine, layer_id: int) -> None:
-        engine.before_moe(layer_id)
+    def vamp_stage_experts(engine: StagingEngine, layer_id: int, topk_ids: torch.Tensor | None) -> None:
+        engine.before_moe(layer_id, topk_ids)
 
     return vamp_stage_experts
 

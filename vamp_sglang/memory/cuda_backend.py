@@ -113,15 +113,16 @@ class CudaPageBackend(PageBackend):
     def host_arena(self, nbytes: int) -> HostArena:
         """A plain host tensor page-locked with cuMemHostRegister over its page-rounded `nbytes` (torch's
         pinned allocator would round to a power of two; issue 10 item 3). PORTABLE: the copies may be
-        issued from any context. The arena's buffer view keeps the allocation alive."""
+        issued from any context; DEVICEMAP: kernels may read it through its device pointer (the routed
+        gather, issue 12). The arena's buffer view keeps the allocation alive."""
         raw = torch.empty(nbytes + _HOST_PAGE_BYTES, dtype=torch.uint8)
         base = raw.data_ptr() + (-raw.data_ptr() % _HOST_PAGE_BYTES)
         locked = -(-nbytes // _HOST_PAGE_BYTES) * _HOST_PAGE_BYTES
         buffer = raw[base - raw.data_ptr():base - raw.data_ptr() + nbytes]
         if locked:
             self._current()
-            self._call(self._drv.cuMemHostRegister(base, locked, self._drv.CU_MEMHOSTREGISTER_PORTABLE),
-                       "cuMemHostRegister")
+            flags = self._drv.CU_MEMHOSTREGISTER_PORTABLE | self._drv.CU_MEMHOSTREGISTER_DEVICEMAP
+            self._call(self._drv.cuMemHostRegister(base, locked, flags), "cuMemHostRegister")
 
         def unregister(_: torch.Tensor) -> None:
             if locked:
