@@ -13,7 +13,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
-SECTIONS = ["backend", "driver", "remap", "graphs", "overlap"]
+SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed"]
 
 
 def run(*args, tmp_path):
@@ -52,6 +52,8 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert graphs["one_page_same_through_every_address"] and graphs["no_page_leaked"]
     assert [b["batch"] for b in report["overlap"]["batches"]] == [1, 16, 64]
     assert report["overlap"]["outputs_exact"] is True
+    routed = report["routed"]  # issue 12: routed, whole and auto steps exact; routed stages fewer bytes
+    assert routed["ok"] and routed["routed_exact"] and routed["auto_exact"] and routed["routed_stages_fewer_bytes"]
 
 
 @pytest.mark.gpu
