@@ -1,8 +1,9 @@
 """VAMP on a hybrid linear-attention model (Qwen3-Next) without a server: what SGLang's hybrid prefix
 cache can reuse and how our tree prices its eviction (pure, then on SGLang's real CPU objects:
 HybridReqToTokenPool, MambaPool, HybridLinearKVPool, UnifiedRadixCache with a MAMBA component),
-growth of the full-attention pool under its hybrid wrapper, the state-slot decision point, and the
-configurations refused at start."""
+the state-slot decision point, and the configurations refused at start. The full-attention pool's
+growth under its hybrid wrapper is tested with the other pool growth in test_integration_memory.py
+(this module sorts after it: its context fixture resets SGLang's parallel state)."""
 
 from array import array
 from types import SimpleNamespace
@@ -16,15 +17,6 @@ from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToToke
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from tests.test_integration_memory import (  # noqa: F401 (fixtures)
-    HEAD_DIM,
-    KV_HEADS,
-    LAYERS,
-    POOL_TOKENS,
-    sglang_moe,
-    tokens_per_group,
-    vamp,
-)
 from tests.test_radix_tree_state import sglang_context  # noqa: F401 (fixture)
 from vamp_sglang.cache.hybrid import tokens_losing_reuse
 from vamp_sglang.integration import hybrid, radix
@@ -180,23 +172,3 @@ def test_the_supported_configuration_passes_and_others_are_refused(tree):
     with pytest.raises(hybrid.UnsupportedHybridError, match="no_buffer.*--vamp-max-offload-ratio 0"):
         hybrid.check_supported(alloc.get_kvcache(), reqs, cache)
 
-
-def test_the_full_attention_pool_grows_under_its_hybrid_wrapper(vamp):  # noqa: F811 (fixture)
-    """Our pool hook lays the wrapper's full-attention pool over growable buffers; an offload grows it,
-    and the wrapper (which SGLang's allocator and model runner read) sees the new size."""
-    reqs = req_pool()
-    wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,
-                                 head_dim=HEAD_DIM, full_attention_layer_ids=list(range(LAYERS)), device="cpu",
-                                 mamba_pool=reqs.mamba_pool)
-    alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
-    from vamp_sglang.integration import expert_memory as em
-
-    assert em._process.pool.pool is wrapper.full_kv_pool
-    memory = em.ExpertMemory(vamp.experts, em._process.pool, alloc, publish=dict, quiesce=lambda: None)
-    vamp.memory = memory
-    memory.offload(1, tokens_per_group())
-    grown = POOL_TOKENS + tokens_per_group()
-    assert (alloc.size, wrapper.size, wrapper.full_kv_pool.size) == (grown, grown, grown)
-    assert wrapper.get_key_buffer(LAYERS - 1).shape[0] == grown + 1
-    memory.restore(1)
-    assert (alloc.size, wrapper.size) == (POOL_TOKENS, POOL_TOKENS)
