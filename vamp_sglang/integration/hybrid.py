@@ -86,17 +86,16 @@ class StatePool:
         return result
 
     def _cached_states(self) -> int:
-        core = self.tree_cache.tree_core
-        return int(core.component_evictable_size_[_MAMBA] + core.component_protected_size_[_MAMBA])
+        # The cache's public sizes: the Rust tree core (stock, ratio 0) has no component_*_size_ dicts.
+        return int(self.tree_cache.mamba_evictable_size() + self.tree_cache.mamba_protected_size())
 
     def stats(self) -> dict[str, Any]:
-        core = self.tree_cache.tree_core
         allocator = self.req_to_token_pool.mamba_allocator
         return {"state_pool": {
             "slots": int(self.req_to_token_pool.mamba_pool.size),
             "free_slots": int(allocator.available_size()),
             "cached_states": self._cached_states(),
-            "evictable_states": int(core.component_evictable_size_[_MAMBA]),
+            "evictable_states": int(self.tree_cache.mamba_evictable_size()),
             "shortfalls": self.shortfalls, "slots_short": self.slots_short,
             "states_evicted": self.states_evicted, "kv_tokens_freed_with_states": self.kv_tokens_freed,
             "grows_from_experts": False}}
