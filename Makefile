@@ -4,7 +4,9 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL ?= models/tiny-qwen3-moe
+# qwen3_moe, mixtral or qwen3_next (the paper's hybrid model): `make demo ARCH=qwen3_next`
+ARCH ?= qwen3_moe
+MODEL ?= models/tiny-$(subst _,-,$(ARCH))
 PORT ?= 30000
 MAX_TOTAL_TOKENS ?= 8192
 VAMP_FLAGS ?=
@@ -36,7 +38,7 @@ lint: install
 	$(VENV)/bin/ruff check vamp_sglang eval tests
 
 model: install
-	$(PY) -m vamp_sglang.tiny_moe $(MODEL)
+	$(PY) -m vamp_sglang.tiny_moe $(MODEL) --arch $(ARCH)
 
 serve-cpu: model
 	OMP_NUM_THREADS=1 $(PY) -m vamp_sglang.launch_server --model-path $(MODEL) --device cpu \
