@@ -185,3 +185,27 @@ def test_fixed_policies_and_bad_ones():
         StagingChooser("fast", 2, 128)
     with pytest.raises(ValueError, match="top_k"):
         StagingChooser("auto", None, 128)
+
+
+def test_on_the_host_measured_step_times_decide_once_both_modes_ran():
+    """The host's whole copy shares the memory bus with the compute it overlaps, which the window model
+    cannot see: each bucket tries routed once, then the faster measured mode runs, the slower one
+    re-measured every explore_every_steps steps."""
+    chooser = StagingChooser("auto", top_k=2, experts=128, explore_every_steps=10, measure_steps=True)
+    whole, rows, row = 32 * 1000, 32, 1000
+    assert chooser.choose(1, 64, whole, rows, row) == WHOLE
+    chooser.observe_whole(1, 64, whole, copy_s=32e-6, wait_s=0.0)  # fully hidden: the model says whole
+    chooser.observe_step(1, 64, WHOLE, 0.010)
+    assert chooser.choose(2, 64, whole, rows, row) == ROUTED  # but routed is tried once
+    chooser.observe_step(2, 64, ROUTED, 0.008)
+    assert [chooser.choose(s, 64, whole, rows, row) for s in (3, 5, 10)] == [ROUTED, ROUTED, ROUTED]
+    assert chooser.choose(11, 64, whole, rows, row) == WHOLE  # whole re-measured after 10 steps
+    chooser.observe_whole(11, 64, whole, copy_s=32e-6, wait_s=0.0)
+    chooser.observe_step(11, 64, WHOLE, 0.006)
+    assert chooser.choose(12, 64, whole, rows, row) == ROUTED  # EMA: whole 0.0092 > routed 0.008
+    for step in range(13, 30):
+        chooser.observe_step(step, 64, WHOLE, 0.004)
+        chooser.observe_whole(step, 64, whole, copy_s=32e-6, wait_s=0.0)
+    assert chooser.choose(30, 64, whole, rows, row) == ROUTED  # routed last ran at step 2: re-measure it
+    chooser.observe_step(30, 64, ROUTED, 0.008)
+    assert chooser.choose(31, 64, whole, rows, row) == WHOLE  # now the faster one

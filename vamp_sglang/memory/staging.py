@@ -224,8 +224,8 @@ class StagingEngine:
             raise ValueError(f"staging {staging!r} on CUDA needs a routed_copier")
         self._routed_copier = routed_copier
         experts = self._stores[0].w13.shape[0] if self._stores else 0
-        self.chooser = StagingChooser(staging, top_k, experts)
-        self._step_mode, self._step_tokens = WHOLE, None
+        self.chooser = StagingChooser(staging, top_k, experts, measure_steps=not self._cuda)
+        self._step_mode, self._step_tokens, self._step_start = WHOLE, None, 0.0
         self._by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED)}
         self._pending: dict[int, _Copy] = {}  # eligible index -> copy in flight
         self._w2_pending: dict[int, _Copy] = {}  # split waits: w13 waited, w2 not yet
@@ -256,7 +256,7 @@ class StagingEngine:
             return
         self._step += 1
         self._harvest()
-        self._step_tokens = tokens
+        self._step_tokens, self._step_start = tokens, time.perf_counter()
         store = self._stores[0] if self._stores else None
         self._step_mode = WHOLE if store is None or not store.offloaded_groups else self.chooser.choose(
             self._step, tokens, store.staged_bytes(), store.w13.shape[0] - store.boundary_expert,
@@ -310,6 +310,9 @@ class StagingEngine:
         if self._stream is not None:
             self._slot_free[i % 2].record(torch.cuda.current_stream(self._stream.device))
         self._reader_open[i % 2] = False
+        if i == len(self._stores) - 1 and self._stores[i].offloaded_groups:  # the part staging touches
+            self.chooser.observe_step(self._step, self._step_tokens, self._step_mode,
+                                      time.perf_counter() - self._step_start)
 
     def drain(self) -> None:
         """Finish and forget in-flight copies (before a remap changes the boundary)."""

@@ -9,6 +9,13 @@ runs for the whole step; the window grows with the step's token count T, so it i
 power-of-two bucket of T, in whole steps, and whole is re-measured every `explore_every_steps` steps of
 a bucket. Every input is measured online: bandwidths from the copies' own clocks, the window as copy
 time minus exposed wait (a copy that never stalled had a window at least as long as itself).
+
+On the host the model misses one cost: the whole-region copy runs on the second core while the compute
+thread works, and the two share the memory bus, so a copy that never stalls the compute still slows it.
+There (`measure_steps`) each bucket also tries routed once, and once both modes have measured step times
+(forward start to the last eligible layer's MoE, the part staging touches) the faster one runs, the other
+being re-measured every `explore_every_steps` steps of the bucket. On CUDA the copy engines do not take
+the SMs, host clocks do not time the device, and the model alone decides.
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ def token_bucket(tokens: int) -> int:
 class StagingChooser:
     """Picks `whole` or `routed` for each step under `policy` (auto, whole, routed)."""
 
-    def __init__(self, policy: str, top_k: int | None, experts: int, explore_every_steps: int = 64) -> None:
+    def __init__(self, policy: str, top_k: int | None, experts: int, explore_every_steps: int = 64,
+                 measure_steps: bool = False) -> None:
         if policy not in STAGING_POLICIES:
             raise ValueError(f"staging policy must be one of {', '.join(STAGING_POLICIES)} (got {policy!r})")
         if policy == "auto" and not top_k:
             raise ValueError("staging policy auto needs the router's top_k")
         self.policy, self.top_k, self.experts = policy, top_k or 0, experts
         self.explore_every_steps = explore_every_steps
+        self.measure_steps = measure_steps
+        self._step_s: dict[int, dict[str, float]] = {}  # token bucket -> mode -> step seconds (host)
+        self._last_step: dict[int, dict[str, int]] = {}  # token bucket -> mode -> last step it ran
         self.whole_bw_bytes_per_s: float | None = None
         self.routed_bw_bytes_per_s: float | None = None
         self.routed_ratio = 1.0  # observed distinct offloaded rows / the uniform expectation
@@ -55,6 +66,12 @@ class StagingChooser:
         if bucket not in self._window_s or self.whole_bw_bytes_per_s is None \
                 or step - self._last_whole_step.get(bucket, step) >= self.explore_every_steps:
             return WHOLE
+        if self.measure_steps:
+            measured, last = self._step_s.get(bucket, {}), self._last_step.get(bucket, {})
+            if ROUTED not in measured:
+                return ROUTED
+            slower, faster = sorted((WHOLE, ROUTED), key=measured.__getitem__, reverse=True)
+            return slower if step - last.get(slower, step) >= self.explore_every_steps else faster
         return ROUTED if self.routed_s(tokens, offloaded_rows, row_bytes) < self.whole_s(tokens, whole_layer_bytes) \
             else WHOLE
 
@@ -81,6 +98,15 @@ class StagingChooser:
             bucket = token_bucket(tokens)
             self._window_s[bucket] = _smooth(self._window_s.get(bucket), max(copy_s - wait_s, 0.0))
             self._last_whole_step[bucket] = step
+
+    def observe_step(self, step: int, tokens: int | None, mode: str, seconds: float) -> None:
+        """A measured step of `mode` (host): forward start to the last eligible layer's MoE."""
+        if tokens is None or seconds <= 0:
+            return
+        bucket = token_bucket(tokens)
+        times = self._step_s.setdefault(bucket, {})
+        times[mode] = _smooth(times.get(mode), seconds)
+        self._last_step.setdefault(bucket, {})[mode] = step
 
     def observe_routed(self, tokens: int | None, nbytes: int, copy_s: float, rows: int | None,
                        offloaded_rows: int) -> None:
