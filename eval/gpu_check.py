@@ -27,7 +27,8 @@ Sections (each reported separately; one failing does not stop the others):
            the engine's own copy-event times (GPU only; the host run uses toy sizes).
   routed   routed-only staging (issue 12): the device copy list captured once in a torch.cuda.CUDAGraph and
            replayed over new router ids (padding included), equal to the host-side runs; then eager
-           steps under --vamp-staging routed, whole and auto over stale (finite) slots, bit for bit against
+           steps under --vamp-staging routed, whole and auto over stale (finite) slots, and routed and whole
+           steps alternating without after_moe (as under a graph replay), bit for bit against
            the unpaged reference, with a torch-only routed copier whose row count stays on the device (the
            host copy read through its mapped device pointer), the routed bytes read back from the device
            count, fewer bytes than whole, no page leaked. SGLang's gather kernel, which the server uses, is
@@ -491,7 +492,8 @@ def check_routed(backend: PageBackend, gpu: bool) -> dict:
     copier = _UvaCopier(stores) if gpu else None
     paged = {s.layer_id: (s.w13, s.w2) for s in stores}
 
-    def forward(x: torch.Tensor, eng: StagingEngine | None) -> torch.Tensor:
+    def forward(x: torch.Tensor, eng: StagingEngine | None, replayed: bool = False) -> torch.Tensor:
+        """`replayed`: no after_moe, as under a graph replay (only the breaks run)."""
         if eng is not None:
             eng.begin_forward(x.shape[0])
         for lid in layer_ids:
@@ -500,7 +502,7 @@ def check_routed(backend: PageBackend, gpu: bool) -> dict:
             if eng is not None:
                 eng.before_moe(lid, ids)
             x = x + routed_moe(x, weights[lid][2], w13, w2, top_k)  # reads every row: stale ones weigh 0
-            if eng is not None:
+            if eng is not None and not replayed:
                 eng.after_moe(lid)
         return x
 
@@ -522,6 +524,15 @@ def check_routed(backend: PageBackend, gpu: bool) -> dict:
         result[f"{policy}_steps_by_mode"] = {m: v["steps"] for m, v in stats.by_mode.items()}
         result[f"{policy}_bytes_by_mode"] = {m: v["bytes"] for m, v in stats.by_mode.items()}
         engine.close()
+    engine = StagingEngine(stores, "async", staging="routed", top_k=top_k, routed_copier=copier)
+    xs, outs = [torch.randn(4, hidden, device=dev, generator=gen, dtype=dtype) for _ in range(6)], []
+    for step, x in enumerate(xs):  # routed and whole steps alternate, no after_moe and no sync in between:
+        engine.chooser.policy = ("routed", "whole")[step % 2]  # each prefetch must still follow the slot's
+        outs.append(forward(x, engine, replayed=True))  # last reader, a routed layer's MoE kernel
+    exact = [torch.equal(out, forward(x, None)) for x, out in zip(xs, outs, strict=True)]
+    backend.synchronize()
+    engine.close()
+    result["modes_alternate_without_after_moe_exact"] = all(exact)
     result["routed_stages_fewer_bytes"] = (result["routed_bytes_by_mode"]["routed"]
                                            < result["whole_bytes_by_mode"]["whole"])
     close_expert_stores(staging, stores)

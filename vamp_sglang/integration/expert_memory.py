@@ -273,10 +273,11 @@ HOOKS = [
     Hook("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
          _around_create_buffers_normal, "lay the KV buffers over reservations that grow in place"),
     Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,
-         "start staging the first eligible layer's offloaded experts at forward start"),
+         "pick the step's staging mode from its token count; whole-region steps start staging the first "
+         "eligible layer's offloaded experts at forward start"),
     Hook("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core", "around", _around_run_moe_core,
-         "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel, "
-         "as an eager break of breakable CUDA graphs"),
+         "wait for a layer's staged experts and prefetch the next layer's right before its MoE kernel, or "
+         "copy only the offloaded experts its router selected, as an eager break of breakable CUDA graphs"),
     Hook("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.invoke_fused_moe_kernel", "around",
          _around_invoke_fused_moe_kernel, "Triton MoE: wait for a layer's staged w2 right before its down GEMM, "
          "so the gate-up GEMM overlaps the w2 copy (an eager break too)"),

@@ -275,6 +275,7 @@ class StagingEngine:
         routed = self._step_mode == ROUTED and topk_ids is not None
         if i is not None and self._stores[i].offloaded_groups and routed and i not in self._pending:
             self._stage_routed(i, topk_ids)
+            self._reader_open[i % 2] = True  # a later prefetch into this slot must follow this layer's MoE
         elif i is not None and self._stores[i].offloaded_groups:
             if i not in self._pending:
                 self._unprefetched += self.mode == "async"
