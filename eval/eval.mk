@@ -10,7 +10,8 @@ RESULTS ?= results
 EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
-.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision
+.PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision \
+	bench-staging bench-staging-server
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -39,3 +40,11 @@ soak: model
 # What one decision costs on a 10,000-node tree, against SGLang's own eviction.
 bench-decision: install
 	OMP_NUM_THREADS=1 $(PY) -m eval.bench_decision --json $(RESULTS)/bench_decision.json
+
+# Whole-region vs routed-only vs auto staging (issue 12): the MoE layer path at decode batch 1/4/16/64 and a
+# prefill (table, JSON, plot), then TPOT of ratio 0 vs VAMP-25 whole / auto on real servers at 1, 4, 16 sessions.
+bench-staging: install
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_staging --json $(RESULTS)/bench_staging.json
+
+bench-staging-server: model
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_staging_server --model $(MODEL) --json $(RESULTS)/bench_staging_server.json

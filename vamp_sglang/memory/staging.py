@@ -448,7 +448,6 @@ class StagingEngine:
         if step >= 0 and not self._timing and step < self._step:  # that step's copies are all read
             self._step_done = (step_copy, step_wait)
 
-
     def _account(self, copy: _Copy) -> None:
         """Per-mode totals, and the staging choice's measurements, of one copy whose times were read."""
         store = self._stores[0]
