@@ -80,6 +80,36 @@ def test_cli_exits_nonzero_within_seconds(flags, named):
     assert time.monotonic() - start < 30, "validation must not wait for SGLang to import"
 
 
+HYBRID_REFUSED = [
+    (["--enable-unified-memory"], "--enable-unified-memory"),
+    (["--mamba-radix-cache-strategy", "extra_buffer"], "--mamba-radix-cache-strategy no_buffer"),
+    (["--mamba-radix-cache-strategy=extra_buffer_lazy"], "--mamba-radix-cache-strategy no_buffer"),
+    (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
+    (["--enable-linear-replayssm"], "--enable-linear-replayssm"),
+    (["--enable-linear-replayssm-spec"], "--enable-linear-replayssm-spec"),
+]
+
+
+def _model_dir(path, model_type):
+    path.mkdir()
+    (path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    return ["--model-path", str(path), "--device", "cpu"]
+
+
+@pytest.mark.parametrize("flags,named", HYBRID_REFUSED, ids=[" ".join(f) for f, _ in HYBRID_REFUSED])
+def test_unsupported_hybrid_flags_are_refused_before_loading(tmp_path, flags, named):
+    """A hybrid model's state features VAMP cannot price are refused from the flags and config.json, in
+    the words the scheduler-start check uses for what only the built pools show; stock (ratio 0) and a
+    dense model with the same flags are left to SGLang."""
+    hybrid = _model_dir(tmp_path / "next", "qwen3_next")
+    with pytest.raises(ConfigError, match="VAMP does not support this hybrid model configuration") as err:
+        launch_server.prepare(hybrid + ["--vamp-max-offload-ratio", "0.2", *flags])
+    assert named in str(err.value)
+    assert not launch_server.prepare(hybrid + ["--vamp-max-offload-ratio", "0", *flags]).vamp.enabled
+    dense = _model_dir(tmp_path / "moe", "qwen3_moe")
+    assert launch_server.prepare(dense + ["--vamp-max-offload-ratio", "0.2", *flags]).vamp.enabled
+
+
 def test_ratio_zero_is_stock_argv():
     launch = launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0", "--device", "cuda"])
     assert not launch.vamp.enabled

@@ -16,8 +16,9 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from vamp_sglang import config
+from vamp_sglang import config, hybrid_refusals
 from vamp_sglang.config import ConfigError, VampConfig
+from vamp_sglang.cpu import hybrid_model
 from vamp_sglang.faults import Faults, FaultSpecError
 from vamp_sglang.integration import gpu_flags
 
@@ -59,6 +60,7 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
     for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
         p.add_argument(flag, dest=dest, action="store_true")
+    hybrid_refusals.add_flags(p)
     return p.parse_known_args(argv)[0]
 
 
@@ -91,6 +93,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
         if getattr(sg, dest):
             raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0")
+    if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
+        raise ConfigError(refusal)
 
 
 def _with_vamp_tree(vamp: VampConfig, sg: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -134,7 +138,6 @@ def prepare(argv: list[str]) -> Launch:
     device = sg.device or "cuda"
     if device == "cpu":
         from vamp_sglang import cpu
-        from vamp_sglang.cpu import hybrid_model
 
         env.update(cpu.cpu_environment(sg.tp_size))
         sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults())

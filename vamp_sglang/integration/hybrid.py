@@ -17,7 +17,8 @@ layer-major tensor `[layers, slots + 1, ...]`, so new slots are not a tail of it
 layer's slots are contiguous) and cannot be mapped in place the way KV rows are. A state shortfall
 is therefore always covered by SGLang's own state eviction.
 
-Configurations refused at start with VAMP on (`check_supported`), each with the reason: SGLang's
+Configurations refused with VAMP on (by the launcher where a flag names them, else by `check_supported`
+at scheduler start; both word them through vamp_sglang.hybrid_refusals), each with the reason: SGLang's
 unified or QSA hybrid pools, MLA/DSA full attention, the extra-buffer state strategy (checkpoints
 inside a sequence, GPU only), int8 state checkpoints and ReplaySSM rings (checkpoints that do not sit
 at a node's end as the pricing assumes).
@@ -29,6 +30,7 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
+from vamp_sglang import hybrid_refusals
 from vamp_sglang.integration.hooks import Hook
 
 _MAMBA = ComponentType.MAMBA
@@ -45,26 +47,23 @@ def is_hybrid(scheduler: Any) -> bool:
 
 
 def check_supported(kvcache: Any, req_to_token_pool: Any, tree_cache: Any) -> None:
-    """Refuse hybrid pools and state strategies VAMP does not price or grow (see the module doc)."""
+    """Refuse hybrid pools and state strategies VAMP does not price or grow (see the module doc), as built;
+    what a flag names is refused earlier by the launcher, in the same words (vamp_sglang.hybrid_refusals)."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
 
     mamba = req_to_token_pool.mamba_pool
     problems = [
-        (type(kvcache) is not HybridLinearKVPool,
-         f"KV pool {type(kvcache).__name__} (needs HybridLinearKVPool; drop --enable-unified-memory)"),
-        (type(getattr(kvcache, "full_kv_pool", None)) is not MHATokenToKVPool,
-         "a full-attention pool other than MHATokenToKVPool (MLA, DSA or quantised KV)"),
+        (type(kvcache) is not HybridLinearKVPool, "pool", f"KV pool {type(kvcache).__name__}"),
+        (type(getattr(kvcache, "full_kv_pool", None)) is not MHATokenToKVPool, "full_attention", ""),
         (bool(getattr(req_to_token_pool, "enable_mamba_extra_buffer", False))
-         or bool(getattr(tree_cache, "enable_mamba_extra_buffer", False)),
-         "the extra_buffer state strategy (pass --mamba-radix-cache-strategy no_buffer)"),
-        (getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None, "int8 state checkpoints"),
+         or bool(getattr(tree_cache, "enable_mamba_extra_buffer", False)), "extra_buffer", ""),
+        (getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None, "int8_checkpoints", ""),
         (bool(getattr(mamba, "enable_linear_replayssm", False) or getattr(mamba, "enable_linear_replayssm_spec", False)),
-         "ReplaySSM state rings"),
+         "replayssm", ""),
     ]
-    for bad, what in problems:
+    for bad, feature, seen in problems:
         if bad:
-            raise UnsupportedHybridError(f"VAMP does not support this hybrid model configuration: {what}; "
-                                         f"run with --vamp-max-offload-ratio 0")
+            raise UnsupportedHybridError(hybrid_refusals.message(feature, seen))
 
 
 class StatePool:

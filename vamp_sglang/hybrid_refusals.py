@@ -1,0 +1,46 @@
+"""Hybrid-model (Qwen3-Next) configurations VAMP refuses, named once for the launcher and the scheduler.
+
+A configuration is caught in one of two places, with the same words. The launcher sees only the flags
+and the model's config.json, so it refuses what a flag names explicitly before anything loads
+(`refused_by_flags`). What SGLang resolves itself is known only once its pools exist (the `auto` state
+strategy becoming extra_buffer with the overlap scheduler on a GPU, a QSA pool chosen from the model, an
+MLA or quantised full-attention pool), so `vamp_sglang.integration.hybrid.check_supported` inspects the
+built objects at scheduler start. No SGLang import here: the launcher must answer in about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+FEATURES = {
+    "pool": "needs HybridLinearKVPool; drop --enable-unified-memory",
+    "full_attention": "a full-attention pool other than MHATokenToKVPool (MLA, DSA or quantised KV)",
+    "extra_buffer": "the extra_buffer state strategy (pass --mamba-radix-cache-strategy no_buffer)",
+    "int8_checkpoints": "int8 state checkpoints (drop --enable-int8-mamba-checkpoint)",
+    "replayssm": "ReplaySSM state rings (drop --enable-linear-replayssm and --enable-linear-replayssm-spec)",
+}
+
+
+def message(feature: str, seen: str = "") -> str:
+    """The refusal for one key of FEATURES; `seen` names what was found (a pool class) when known."""
+    what = f"{seen} ({FEATURES[feature]})" if seen else FEATURES[feature]
+    return f"VAMP does not support this hybrid model configuration: {what}; run with --vamp-max-offload-ratio 0"
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """The SGLang flags `refused_by_flags` reads, for the launcher's SGLang-free view of the argv."""
+    for flag in ("--enable-unified-memory", "--enable-int8-mamba-checkpoint", "--enable-linear-replayssm",
+                 "--enable-linear-replayssm-spec"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--mamba-radix-cache-strategy", default=None)
+
+
+def refused_by_flags(sg: argparse.Namespace) -> str | None:
+    """The refusal for the first unsupported feature the flags name explicitly, or None."""
+    named = [
+        ("pool", sg.enable_unified_memory),
+        ("extra_buffer", (sg.mamba_radix_cache_strategy or "").startswith("extra_buffer")),
+        ("int8_checkpoints", sg.enable_int8_mamba_checkpoint),
+        ("replayssm", sg.enable_linear_replayssm or sg.enable_linear_replayssm_spec),
+    ]
+    return next((message(feature) for feature, on in named if on), None)
