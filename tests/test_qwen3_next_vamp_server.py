@@ -1,8 +1,9 @@
 """VAMP-20 on the tiny Qwen3-Next through our launcher on CPU, under a multi-turn load its pool cannot hold.
 
-One server for the module: VAMP-20 with a full-attention pool of POOL_TOKENS, while the sessions' final
-contexts add up to more than twice that. SESSIONS closed-loop sessions run at once, each turn extending
-the previous prompt and its answer. With the pool grown from expert memory:
+Two servers for the module, one after the other, at TP 1 and TP 2: VAMP-20 with a full-attention pool of
+POOL_TOKENS, while the sessions' final contexts add up to more than twice that. SESSIONS closed-loop
+sessions run at once, each turn extending the previous prompt and its answer. With the pool grown from
+expert memory, on both servers:
 - the full-attention pool is past its start size and an offload was decided;
 - every turn after the first resumes from the state checkpoint its previous turn left at finish (cached
   tokens = the whole previous context but its last token), which the start pool alone cannot do: at
@@ -10,12 +11,14 @@ the previous prompt and its answer. With the pool grown from expert memory:
 - the greedy tokens of every turn equal `vamp_sglang.tiny_next_reference`, checked with one
   teacher-forced forward over each session's final context;
 - `/vamp/stats` shows both pools with live values.
+At TP 2 both ranks log the same decisions (snapshots, plans, pool sizes) and the outputs equal TP 1's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -45,18 +48,28 @@ def _session(url: str, seed: int) -> dict:
     return {"context": ids, "turns": turns}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    model = make_checkpoint(MODEL, arch="qwen3_next")
-    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
-    with Server(setup, ServerConfig("qwen3-next-vamp-20", ("--vamp-max-offload-ratio", "0.2"))) as server:
+def _serve(model: Path, logs: Path, tp_size: int) -> dict:
+    log = logs / f"decisions-tp{tp_size}.jsonl"  # rank r > 0 writes log.rank<r>
+    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=str(logs))
+    flags = ("--vamp-max-offload-ratio", "0.2", "--vamp-decision-log", str(log))
+    with Server(setup, ServerConfig(f"qwen3-next-vamp-20-tp{tp_size}", flags)) as server:
         before = get_json(f"{server.url}/vamp/stats")
         with cf.ThreadPoolExecutor(SESSIONS) as pool:
             sessions = list(pool.map(lambda s: _session(server.url, s), range(SESSIONS)))
-        return {"model": model, "sessions": sessions, "before": before, "after": get_json(f"{server.url}/vamp/stats")}
+        return {"sessions": sessions, "before": before, "after": get_json(f"{server.url}/vamp/stats"),
+                "logs": [log] + [log.with_name(f"{log.name}.rank{r}") for r in range(1, tp_size)]}
 
 
-def test_full_attention_pool_grew_from_experts(run):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = make_checkpoint(MODEL, arch="qwen3_next")
+    logs = tmp_path_factory.mktemp("logs")
+    return {"model": model, "tp1": _serve(model, logs, 1), "tp2": _serve(model, logs, 2)}
+
+
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+def test_full_attention_pool_grew_from_experts(runs, tp):
+    run = runs[tp]
     kv, decisions = run["after"]["kv_pool"], run["after"]["decisions"]
     assert run["before"]["kv_pool"]["tokens"] == kv["baseline_tokens"] == POOL_TOKENS
     assert kv["tokens"] > POOL_TOKENS
@@ -64,25 +77,43 @@ def test_full_attention_pool_grew_from_experts(run):
     assert run["after"]["experts"]["offloaded_groups"] >= 1
 
 
-def test_every_turn_resumes_from_the_previous_turns_checkpoint(run):
-    for session in run["sessions"]:
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+def test_every_turn_resumes_from_the_previous_turns_checkpoint(runs, tp):
+    for session in runs[tp]["sessions"]:
         turns = session["turns"]
         assert turns[0]["cached_tokens"] == 0
         for prev, turn in itertools.pairwise(turns):
             assert turn["cached_tokens"] == prev["prompt_tokens"] + NEW_TOKENS - 1
 
 
-def test_greedy_tokens_equal_the_plain_torch_reference(run):
-    reference = TinyNextReference(run["model"])
-    for session in run["sessions"]:
+def test_greedy_tokens_equal_the_plain_torch_reference(runs):
+    reference = TinyNextReference(runs["model"])
+    for session in runs["tp1"]["sessions"]:
         predicted = reference.logits(session["context"][:-1]).argmax(-1).tolist()
         for turn in session["turns"]:
             start = turn["prompt_tokens"]  # the turn's answer follows its prompt in the final context
             assert turn["output_ids"] == predicted[start - 1:start - 1 + NEW_TOKENS]
 
 
-def test_stats_show_both_pools_live(run):
-    before, after = run["before"], run["after"]
+def test_tp2_outputs_equal_tp1(runs):
+    assert [s["context"] for s in runs["tp2"]["sessions"]] == [s["context"] for s in runs["tp1"]["sessions"]]
+
+
+def test_tp2_ranks_decide_alike(runs):
+    """Every input of a plan (the tree's candidates, the agreed gains) and every outcome (pool sizes) is
+    equal on both ranks, so a rank-local view of the hybrid tree or of either pool would show here."""
+    rank0, rank1 = ([json.loads(line) for line in path.read_text().splitlines()] for path in runs["tp2"]["logs"])
+    assert rank0, "TP 2 made no decision"
+
+    def strip(log):
+        return [(d["step"], d["site"], d.get("snapshot"), d["plan"], d["outcome"]) for d in log]
+
+    assert strip(rank0) == strip(rank1)
+
+
+@pytest.mark.parametrize("tp", ["tp1", "tp2"])
+def test_stats_show_both_pools_live(runs, tp):
+    before, after = runs[tp]["before"], runs[tp]["after"]
     assert after["step"] > before["step"]
     state = after["state_pool"]
     assert state["grows_from_experts"] is False
