@@ -341,6 +341,7 @@ class StagingEngine:
         pairs = store.staging_pairs()  # [(w13 rows, host), (w2 rows, host)]
         nbytes = store.staged_bytes()
         self._bytes += nbytes
+        self._by_mode[WHOLE]["bytes"] += nbytes  # counted when issued, as bytes_staged
         self._copies += 1
         if self._stream is not None:
             copy = self._launch_cuda(i % 2, pairs)
@@ -456,12 +457,12 @@ class StagingEngine:
             rows = int(copy.rows.item()) if isinstance(copy.rows, torch.Tensor) else copy.rows
             copy.nbytes = rows * copy.row_bytes
             self._bytes += copy.nbytes
+            self._by_mode[ROUTED]["bytes"] += copy.nbytes
             self.chooser.observe_routed(copy.tokens, copy.nbytes, copy.copy_s,
                                         None if isinstance(copy.rows, torch.Tensor) else rows, offloaded_rows)
         else:
             self.chooser.observe_whole(copy.step, copy.tokens, copy.nbytes, copy.copy_s, copy.wait_s)
         totals = self._by_mode[copy.mode]
-        totals["bytes"] += copy.nbytes
         totals["copy_s"] += copy.copy_s
         totals["wait_s"] += copy.wait_s
 
