@@ -245,3 +245,23 @@ def test_decode_graphs_default_to_breakable_with_vamp_on_a_gpu(flags, added):
     assert launch.sglang_argv.count("--cuda-graph-backend-decode") <= 1
     off = launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0"])
     assert "breakable" not in off.sglang_argv[len(MODEL) + len(flags):]
+
+
+def test_vamp_on_a_hybrid_model_gets_the_state_strategy_it_supports(tmp_path):
+    """On a GPU SGLang's `auto` state strategy becomes extra_buffer under the overlap scheduler, which VAMP
+    refuses; with VAMP on and no strategy given, the launcher passes no_buffer (and turns the overlap
+    scheduler off, as no_buffer requires) instead of letting the scheduler refuse after loading."""
+    def model(name, model_type):
+        return _model_dir(tmp_path / name, model_type)[:2] + ["--device", "cuda"]
+
+    argv = launch_server.prepare(model("next", "qwen3_next") + ["--vamp-max-offload-ratio", "0.2"]).sglang_argv
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    assert "--disable-overlap-schedule" in argv
+    mine = launch_server.prepare(model("next2", "qwen3_next") + ["--vamp-max-offload-ratio", "0.2",
+                                                                  "--mamba-radix-cache-strategy", "no_buffer",
+                                                                  "--disable-overlap-schedule"]).sglang_argv
+    assert mine.count("--mamba-radix-cache-strategy") == 1 and mine.count("--disable-overlap-schedule") == 1
+    stock = launch_server.prepare(model("next3", "qwen3_next") + ["--vamp-max-offload-ratio", "0"]).sglang_argv
+    dense = launch_server.prepare(model("moe", "qwen3_moe") + ["--vamp-max-offload-ratio", "0.2"]).sglang_argv
+    for other in (stock, dense):
+        assert "--mamba-radix-cache-strategy" not in other and "--disable-overlap-schedule" not in other

@@ -1,4 +1,5 @@
-"""Hybrid-model (Qwen3-Next) configurations VAMP refuses, named once for the launcher and the scheduler.
+"""Hybrid-model (Qwen3-Next) configurations VAMP refuses, named once for the launcher and the scheduler,
+and the state strategy it asks for when none is given (`vamp_defaults`).
 
 A configuration is caught in one of two places, with the same words. The launcher sees only the flags
 and the model's config.json, so it refuses what a flag names explicitly before anything loads
@@ -44,3 +45,10 @@ def refused_by_flags(sg: argparse.Namespace) -> str | None:
         ("replayssm", sg.enable_linear_replayssm or sg.enable_linear_replayssm_spec),
     ]
     return next((message(feature) for feature, on in named if on), None)
+
+
+def vamp_defaults() -> list[str]:
+    """SGLang flags for a hybrid model with VAMP on, each unless given: no_buffer, the state strategy VAMP
+    prices, since `auto` becomes the refused extra_buffer under the overlap scheduler (a GPU's default);
+    SGLang allows no_buffer only without the overlap scheduler."""
+    return ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]

@@ -132,6 +132,8 @@ def prepare(argv: list[str]) -> Launch:
     check_combinations(vamp, sg)
     sglang_argv = _with_vamp_tree(vamp, sg, gpu_flags.with_staging_graphs(rest, sg.device or "cuda")
                                   if vamp.enabled else rest)
+    if vamp.enabled and hybrid_model.is_hybrid_linear(sg.model_path):
+        sglang_argv = _with_defaults(sglang_argv, hybrid_refusals.vamp_defaults())
     from vamp_sglang.controller.multinode import controller_env
 
     env = vamp.to_env() | controller_env(vamp, sg)  # TCP for the rank controller when --nnodes > 1
