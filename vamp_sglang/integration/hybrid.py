@@ -28,12 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
-
 from vamp_sglang import hybrid_refusals
 from vamp_sglang.integration.hooks import Hook
-
-_MAMBA = ComponentType.MAMBA
 
 
 class UnsupportedHybridError(RuntimeError):
