@@ -88,6 +88,7 @@ def test_stats_show_experts_offloaded_and_the_pool_grown(runs, name):
     assert after["staging"]["bytes"] > 0 and after["experts"]["offloaded_groups"] >= groups
     modes = after["staging"]["modes"]  # the default --vamp-staging auto: both modes counted, summing up
     assert after["staging"]["policy"] == "auto" and set(modes) == {"whole", "routed"}
+    assert modes["routed"]["steps"] > 0  # each token bucket's second step tries routed: the hook passed T
     assert modes["whole"]["steps"] + modes["routed"]["steps"] == after["staging"]["steps"]
     assert modes["whole"]["bytes"] + modes["routed"]["bytes"] == after["staging"]["bytes"]
     assert after["radix"]["cached_tokens"] > POOL_TOKENS, "no KV id above the start-up pool was used"
