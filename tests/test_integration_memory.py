@@ -315,30 +315,6 @@ def test_the_full_attention_pool_grows_under_its_hybrid_wrapper(vamp):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
-    from tests.test_hybrid import req_pool
-
-    reqs = req_pool()
-    wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,
-                                 head_dim=HEAD_DIM, full_attention_layer_ids=list(range(LAYERS)), device="cpu",
-                                 mamba_pool=reqs.mamba_pool)
-    alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
-    assert em._process.pool.pool is wrapper.full_kv_pool
-    memory = em.ExpertMemory(vamp.experts, em._process.pool, alloc, publish=dict, quiesce=lambda: None)
-    vamp.memory = memory
-    memory.offload(1, tokens_per_group())
-    grown = POOL_TOKENS + tokens_per_group()
-    assert (alloc.size, wrapper.size, wrapper.full_kv_pool.size) == (grown, grown, grown)
-    assert wrapper.get_key_buffer(LAYERS - 1).shape[0] == grown + 1
-    memory.restore(1)
-    assert (alloc.size, wrapper.size) == (POOL_TOKENS, POOL_TOKENS)
-
-
-def test_the_full_attention_pool_grows_under_its_hybrid_wrapper(vamp):
-    """Our pool hook lays the wrapper's full-attention pool over growable buffers; an offload grows it,
-    and the wrapper (which SGLang's allocator and model runner read) sees the new size."""
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
-
     from tests.test_radix_hybrid import req_pool
 
     reqs = req_pool()
