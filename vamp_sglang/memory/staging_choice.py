@@ -21,13 +21,10 @@ the SMs, host clocks do not time the device, and the model alone decides.
 from __future__ import annotations
 
 from vamp_sglang.memory.routed import expected_routed_fraction
+from vamp_sglang.policy.calibration import smooth
 
 STAGING_POLICIES = ("auto", "whole", "routed")
 WHOLE, ROUTED = "whole", "routed"
-
-
-def _smooth(old: float | None, sample: float, weight: float = 0.2) -> float:
-    return sample if old is None else old + weight * (sample - old)
 
 
 def token_bucket(tokens: int) -> int:
@@ -93,10 +90,10 @@ class StagingChooser:
         """One whole-region copy, with its measured copy time and the compute side's exposed wait."""
         if copy_s <= 0 or nbytes <= 0:
             return
-        self.whole_bw_bytes_per_s = _smooth(self.whole_bw_bytes_per_s, nbytes / copy_s)
+        self.whole_bw_bytes_per_s = smooth(self.whole_bw_bytes_per_s, nbytes / copy_s)
         if tokens is not None:
             bucket = token_bucket(tokens)
-            self._window_s[bucket] = _smooth(self._window_s.get(bucket), max(copy_s - wait_s, 0.0))
+            self._window_s[bucket] = smooth(self._window_s.get(bucket), max(copy_s - wait_s, 0.0))
             self._last_whole_step[bucket] = step
 
     def observe_step(self, step: int, tokens: int | None, mode: str, seconds: float) -> None:
@@ -105,15 +102,15 @@ class StagingChooser:
             return
         bucket = token_bucket(tokens)
         times = self._step_s.setdefault(bucket, {})
-        times[mode] = _smooth(times.get(mode), seconds)
+        times[mode] = smooth(times.get(mode), seconds)
         self._last_step.setdefault(bucket, {})[mode] = step
 
     def observe_routed(self, tokens: int | None, nbytes: int, copy_s: float, rows: int | None,
                        offloaded_rows: int) -> None:
         """One routed-only copy; `rows` is the distinct offloaded rows it copied when known (host)."""
         if copy_s > 0 and nbytes > 0:
-            self.routed_bw_bytes_per_s = _smooth(self.routed_bw_bytes_per_s, nbytes / copy_s)
+            self.routed_bw_bytes_per_s = smooth(self.routed_bw_bytes_per_s, nbytes / copy_s)
         if rows is not None and tokens and offloaded_rows and self.top_k:
             expected = offloaded_rows * expected_routed_fraction(self.top_k, self.experts, tokens)
             if expected > 0:
-                self.routed_ratio = _smooth(self.routed_ratio, rows / expected)
+                self.routed_ratio = smooth(self.routed_ratio, rows / expected)
