@@ -172,3 +172,36 @@ def test_the_supported_configuration_passes_and_others_are_refused(tree):
     with pytest.raises(hybrid.UnsupportedHybridError, match="no_buffer.*--vamp-max-offload-ratio 0"):
         hybrid.check_supported(alloc.get_kvcache(), reqs, cache)
 
+
+
+
+def test_compaction_moves_cached_rows_under_the_hybrid_wrapper(tree):
+    """Restore compacts cached KV off the pool's tail (integration/compaction.py). On a hybrid model the
+    allocator's cache is HybridLinearKVPool, whose K/V live in its full-attention pool: the moved rows keep
+    their bytes there, the tree points at them, and every prefix still matches (found by a hybrid soak:
+    every restore failed with an AttributeError)."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as Component
+
+    from vamp_sglang.integration import compaction
+
+    cache, alloc, reqs = tree
+    full = alloc.get_kvcache().full_kv_pool
+    buffers = (*full.k_buffer, *full.v_buffer)
+    for layer, buffer in enumerate(buffers):  # row r of buffer l holds r * (l + 1): where a row came from
+        buffer.copy_(torch.arange(buffer.shape[0], dtype=buffer.dtype)[:, None, None] * (layer + 1))
+    free_rows = alloc.alloc(alloc.available_size()).sort().values
+    alloc.free(free_rows[:-7])  # a busy past: two prefixes cached in the pool's top 7 rows
+    for tokens, rows in (([5, 5, 5], free_rows[-7:-4]), ([6, 6, 6, 6], free_rows[-4:])):
+        cache.insert(InsertParams(key=key(tokens), value=rows, mamba_value=reqs.mamba_allocator.alloc(1)))
+    values = [n.component_data[Component.FULL].value for n in radix.tree_core_of(cache).device_nodes()]
+    rows_before = [v.clone() for v in values if v is not None]
+    keep_tokens = 40
+    assert compaction.tail_is_movable(cache, alloc, keep_tokens)
+    assert compaction.compact_tail(cache, alloc, keep_tokens) == 7
+    rows_after = [v for v in values if v is not None]
+    assert all(int(v.max()) <= keep_tokens for v in rows_after if v.numel())
+    for before, after in zip(rows_before, rows_after, strict=True):
+        for layer, buffer in enumerate(buffers):
+            assert torch.equal(buffer[after, 0, 0], (before * (layer + 1)).to(buffer.dtype))
+    assert int((alloc.get_all_free_pages() > keep_tokens).sum()) == int(alloc.size) - keep_tokens
+    assert matched(cache, [5, 5, 5, 1]) == 3 and matched(cache, [*range(10), 50, 51, 52, 1]) == 13

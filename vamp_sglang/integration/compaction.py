@@ -60,6 +60,7 @@ def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
         return 0
     dst = low[: src.numel()].to(src.dtype)
     pool = allocator.get_kvcache()
+    pool = getattr(pool, "full_kv_pool", pool)  # hybrid: the rows are the full-attention pool's (states are per slot)
     for buffer in (*pool.k_buffer, *pool.v_buffer):  # [rows, heads, head_dim] per layer (NHD)
         buffer[dst] = buffer[src]
     offset = 0
