@@ -196,6 +196,21 @@ def test_idle_restore_counts_wall_clock_not_polls_and_never_evicts_for_nothing(m
     assert dm.log.recent()[-1]["site"] == "restore"
 
 
+def test_idle_polls_count_towards_the_back_off_after_a_missed_round(maker):
+    """Found by a TP2 soak with agree-timeout faults: a round missed just before the server went idle
+    held rounds back for 256 scheduler steps, an idle server takes none, and its experts never came
+    back. The back-off counts idle polls too (replicated like steps: ranks poll in lockstep)."""
+    dm = maker.make()
+    dm.rounds.controller = SimpleNamespace(world_size=2)  # all `blocked` reads; nothing is offloaded, so
+    dm.rounds.blocked_until_step = dm.rounds.step_fn() + ROUND_BACKOFF_STEPS  # no round is held here
+    step = dm.runtime.step
+    for _ in range(ROUND_BACKOFF_STEPS - 1):
+        dm.maybe_restore(idle=True)
+    assert dm.rounds.blocked
+    dm.maybe_restore(idle=True)
+    assert not dm.rounds.blocked and dm.runtime.step == step
+
+
 def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatch):
     """Before, the idle restore evicted first and only then found the tail could not be freed."""
     dm = maker.make()

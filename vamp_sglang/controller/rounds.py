@@ -4,7 +4,7 @@ Every TP rank reaches the same decision points in the same order (SGLang's sched
 replicated), so each rank holds the same rounds with the same ids. This adds what the decision
 layer needs around a bare round:
 - `agree(value, fallback)`: the minimum over ranks, or `fallback` when a rank missed the round;
-  after a miss no round is held for ROUND_BACKOFF_STEPS scheduler steps (every live rank saw the
+  after a miss no round is held for ROUND_BACKOFF_STEPS ticks of `step_fn` (every live rank saw the
   miss, so they back off alike), so a lost rank does not make every shortfall wait out time-outs;
 - `remap(proposal, apply, undo)`: agree on min(proposal), apply it everywhere, and undo unless every
   rank succeeded; the undo is retried and never fault-injected (it compensates, it is no new remap);
@@ -25,14 +25,14 @@ from vamp_sglang.faults import NONE, Faults
 logger = logging.getLogger(__name__)
 
 UNDO_ATTEMPTS = 3  # a compensating remap is retried this often before this rank gives up remapping
-ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many steps
+ROUND_BACKOFF_STEPS = 256  # after a TP rank missed an agreement round, hold no rounds for this many ticks
 LATE_ROUND_FACTOR = 2.5  # an injected agree-timeout enters the round this many time-outs late
 
 
 class RankRounds:
     def __init__(self, controller: Any, step_fn: Callable[[], int], faults: Faults = NONE) -> None:
         self.controller = controller
-        self.step_fn = step_fn  # the scheduler step, replicated on every rank
+        self.step_fn = step_fn  # a tick replicated on every rank (scheduler steps plus idle polls)
         self.faults = faults
         self.round_id = 0
         self.missed = 0  # rounds a rank missed

@@ -78,7 +78,10 @@ class DecisionMaker:
         self.base_coefficients = Coefficients.from_config(self.config)
         self.calibrator = Calibrator.starting_from(self.base_coefficients)
         self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank))
-        self.rounds = RankRounds(controller, lambda: runtime.step, faults)
+        self.idle_polls_total = 0  # fully idle polls ever (replicated: ranks poll in lockstep)
+        # the rounds' back-off counts steps and idle polls: an idle server takes no steps, and a miss
+        # just before it went idle must not block its idle restore for good (found by a TP2 soak)
+        self.rounds = RankRounds(controller, lambda: runtime.step + self.idle_polls_total, faults)
         self.calm_steps = 0
         self.idle_since: float | None = None  # wall clock (local) when the server last became idle
         self.idle_polls = 0  # fully idle polls since then (replicated: ranks poll in lockstep)
@@ -358,6 +361,7 @@ class DecisionMaker:
         """Busy: called once per scheduler step. Idle: once per fully idle poll; the idle time is
         wall clock, checked at polls 1, 2, 4, ... of an idle period (ranks poll in lockstep, so the
         checks, and their agreement rounds, happen at the same polls everywhere)."""
+        self.idle_polls_total += idle
         if not self.config.restore_after_steps or self.memory.offloaded_groups == 0:
             self.calm_steps, self.idle_since = 0, None
             return
