@@ -34,7 +34,7 @@ class GatherCopier:
             hosts = [paged_experts_host_device_pointer(h) for h in (store.host_w13, store.host_w2)]
             # gpu[dst[i] * row] with dst an absolute expert id: the table starts at expert 0
             gpus = [store.w13.data_ptr(), store.w2.data_ptr()]
-            row_bytes = [w[0].numel() * w.element_size() for w in (store.w13, store.w2)]
+            row_bytes = [store.layout.w13_shard_bytes, store.layout.w2_shard_bytes]
             if any(b % 2 for b in row_bytes):
                 raise ValueError(f"layer {store.layer_id}: expert rows of {row_bytes} bytes; the gather needs even")
             rows = store.host_w13.shape[0]

@@ -468,8 +468,8 @@ class StagingEngine:
 
 
 def _row_bytes(store: ExpertStore) -> int:
-    """w13 + w2 bytes of one expert."""
-    return store.w13[0].numel() * store.w13.element_size() + store.w2[0].numel() * store.w2.element_size()
+    """w13 + w2 bytes of one expert (the layout's shard sizes)."""
+    return store.layout.w13_shard_bytes + store.layout.w2_shard_bytes
 
 
 def _timing_event() -> torch.cuda.Event:
