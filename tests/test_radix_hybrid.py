@@ -197,7 +197,7 @@ def test_compaction_moves_cached_rows_under_the_hybrid_wrapper(tree):
     rows_before = [v.clone() for v in values if v is not None]
     keep_tokens = 40
     assert compaction.tail_is_movable(cache, alloc, keep_tokens)
-    assert compaction.compact_tail(cache, alloc, keep_tokens) == 7
+    assert compaction.compact_tail(cache, alloc, full, keep_tokens) == 7
     rows_after = [v for v in values if v is not None]
     assert all(int(v.max()) <= keep_tokens for v in rows_after if v.numel())
     for before, after in zip(rows_before, rows_after, strict=True):

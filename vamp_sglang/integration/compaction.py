@@ -45,9 +45,11 @@ def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
     return used_above == sum(int(mask.sum()) for _, mask in _movable_tail(tree_cache, keep_tokens))
 
 
-def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
-    """Move every unlocked tree node's row above `keep_tokens` to a free row at or below it. All or
-    nothing: returns the rows moved, or 0 (nothing changed) when there are not enough free low rows."""
+def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int) -> int:
+    """Move every unlocked tree node's row above `keep_tokens` to a free row at or below it, in
+    `kv_pool`, the MHATokenToKVPool whose buffers VAMP grows (on a hybrid model the allocator serves
+    its HybridLinearKVPool wrapper; the rows are the full-attention pool's). All or nothing: returns the
+    rows moved, or 0 (nothing changed) when there are not enough free low rows."""
     if allocator.page_size != 1:
         return 0
     held = _movable_tail(tree_cache, keep_tokens)
@@ -59,9 +61,7 @@ def compact_tail(tree_cache: Any, allocator: Any, keep_tokens: int) -> int:
     if low.numel() < src.numel():
         return 0
     dst = low[: src.numel()].to(src.dtype)
-    pool = allocator.get_kvcache()
-    pool = getattr(pool, "full_kv_pool", pool)  # hybrid: the rows are the full-attention pool's (states are per slot)
-    for buffer in (*pool.k_buffer, *pool.v_buffer):  # [rows, heads, head_dim] per layer (NHD)
+    for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):  # [rows, heads, head_dim] per layer (NHD)
         buffer[dst] = buffer[src]
     offset = 0
     for value, mask in held:

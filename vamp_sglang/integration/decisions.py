@@ -414,7 +414,7 @@ class DecisionMaker:
 
                 scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens))
             if chosen.compact:
-                compaction.compact_tail(scheduler.tree_cache, allocator, keep_tokens)
+                compaction.compact_tail(scheduler.tree_cache, allocator, self.memory.pool.pool, keep_tokens)
             restorable = groups if self.memory.restorable_groups() >= groups else 0
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self._decision_error(e, None)
