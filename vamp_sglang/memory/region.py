@@ -19,12 +19,16 @@ from vamp_sglang.memory.backend import PageBackend, PageHandle, VmmRuleError
 
 
 class PagedRegion:
-    """A reservation of `reserved_bytes` whose first `mapped_bytes` are mapped, page after page."""
+    """A reservation of `reserved_bytes` whose first `mapped_bytes` are mapped, page after page.
 
-    def __init__(self, backend: PageBackend, reserved_bytes: int) -> None:
+    With `base` the region is a sub-range of a reservation its caller owns (one layer's rows of a
+    layer-strided state tensor, state_buffers.py) and `close` leaves that reservation alone."""
+
+    def __init__(self, backend: PageBackend, reserved_bytes: int, base: int | None = None) -> None:
         self.backend = backend
         self.reserved_bytes = reserved_bytes
-        self.base = backend.reserve(reserved_bytes)
+        self._owns_reservation = base is None
+        self.base = backend.reserve(reserved_bytes) if base is None else base
         self._handles: list[PageHandle] = []
         self._mapped_bytes = 0
         self._closed = False
@@ -111,14 +115,16 @@ class PagedRegion:
         return sums
 
     def close(self) -> list[PageHandle]:
-        """Unmap every page and free the reservation; returns the (still live) handles, head first."""
+        """Unmap every page and free the reservation (if it is the region's own); returns the (still
+        live) handles, head first."""
         if self._closed:
             return []
         self.backend.synchronize()
         popped: list[PageHandle] = []
         while self._handles:
             popped.append(self.pop_tail())
-        self.backend.free_reservation(self.base, self.reserved_bytes)
+        if self._owns_reservation:
+            self.backend.free_reservation(self.base, self.reserved_bytes)
         self._closed = True
         return popped[::-1]
 
