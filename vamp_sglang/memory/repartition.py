@@ -12,6 +12,11 @@ and used first by the next offload or restore; the pool size is therefore a func
 offloaded groups alone, which is what lets TP ranks agree on it (`rows_gained`, paper V-A). Every
 count here is in buffer rows; the pool size SGLang schedules from (tokens) is the caller's, handed
 through each call to `on_pool_resize` unchanged.
+
+On a hybrid model the linear-attention state pool can grow too (`state`, GrowableStateBuffers): an
+offload names the pool its groups grow (`to_state`), and the state pool's size is a function of the
+groups given to it (`state_groups`), so ranks that agree on the decisions agree on both sizes. A
+restore returns the KV pool's groups first, then the state pool's (pages are interchangeable).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from vamp_sglang.memory.journal import Journal, atomic
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout, LayoutError, kv_pages_per_buffer
 from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.state_buffers import GrowableStateBuffers
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class RepartitionStats:
     spare_bytes: int  # reclaimed but not yet usable by KV (uneven split over buffers)
     rows: int  # rows each K/V buffer serves now
     initial_rows: int
+    state_groups: int  # of the offloaded groups, those whose pages grew the state pool
+    state_rows: int  # state slots per layer the state buffers hold now (padding slot included); 0: none
     remap_s: float  # wall time inside offload/restore transactions, after the quiescing synchronise
     remapped_bytes: int  # expert bytes those transactions moved
 
@@ -55,11 +63,14 @@ class Repartitioner:
 
     def __init__(self, layout: ExpertLayout, expert_stores: Sequence[ExpertStore], kv_buffers: GrowableKVBuffers,
                  on_pool_resize: Callable[[int, int, int | None], None], *, tail_is_free: Callable[[int, int], bool],
-                 staging: StagingEngine | None = None) -> None:
+                 staging: StagingEngine | None = None, state: GrowableStateBuffers | None = None,
+                 on_state_resize: Callable[[int, int], None] | None = None) -> None:
         """`on_pool_resize(old_rows, new_rows, pool_tokens)` publishes the new pool size (`pool_tokens`,
         as the caller passed it to offload/restore: allocator free list and every copy of the size);
         it is the last step of a transaction, and raising from it aborts the remap.
-        `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens."""
+        `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens.
+        `on_state_resize(old_rows, new_rows)` does the same for the state pool (hybrid models); it must
+        refuse a shrink over slots in use."""
         layer_ids = tuple(s.layer_id for s in expert_stores)
         if layer_ids != layout.eligible_layer_ids:
             raise LayoutError(f"expert_stores cover layers {layer_ids}, expected the eligible layers "
@@ -72,6 +83,11 @@ class Repartitioner:
         self.staging = staging
         self._on_pool_resize = on_pool_resize
         self._tail_is_free = tail_is_free
+        if (state is None) != (on_state_resize is None):
+            raise ValueError("a state pool needs on_state_resize, and on_state_resize a state pool")
+        self.state, self._on_state_resize = state, on_state_resize
+        self._state_groups = 0
+        self._state_base_rows = state.rows if state is not None else 0
         self._spare: list[PageHandle] = []
         self.remap_s, self.remapped_bytes = 0.0, 0
         self._offloaded = self.stores[0].offloaded_groups if self.stores else 0
@@ -86,52 +102,94 @@ class Repartitioner:
     def offloaded_groups(self) -> int:
         return self._offloaded
 
-    def rows_at(self, offloaded_groups: int) -> int:
-        """Pool rows with `offloaded_groups` groups offloaded from every eligible layer."""
-        self.layout.check_offloaded_groups(offloaded_groups)
-        return self.kv.rows_for_pages(self._base_pages + self._kv_extra_pages(offloaded_groups))
+    @property
+    def state_groups(self) -> int:
+        """Offloaded groups whose pages grew the state pool (the rest grew the KV pool)."""
+        return self._state_groups
+
+    @property
+    def kv_groups(self) -> int:
+        return self._offloaded - self._state_groups
+
+    def rows_at(self, kv_groups: int) -> int:
+        """KV pool rows with `kv_groups` groups of every eligible layer given to the KV pool."""
+        self.layout.check_offloaded_groups(kv_groups)
+        return self.kv.rows_for_pages(self._base_pages + self._kv_extra_pages(kv_groups))
+
+    def state_rows_at(self, state_groups: int) -> int:
+        """State slots per layer (padding slot included) with `state_groups` groups given to the state pool."""
+        if self.state is None:
+            raise LayoutError("this model has no growable state pool")
+        self.layout.check_offloaded_groups(state_groups)
+        if state_groups == 0:  # the start size, though its pages may hold a few rows more
+            return self._state_base_rows
+        return self.state.rows_for_pages(self.state.pages_for(self._state_base_rows)
+                                         + state_groups * self.layout.pages_freed_per_group)
 
     def rows_gained(self, n_groups: int) -> int:
-        """Rows offloading `n_groups` more would add to each buffer (read-only)."""
-        return self.rows_at(self._offloaded + n_groups) - self.rows_at(self._offloaded)
+        """Rows offloading `n_groups` more to the KV pool would add to each buffer (read-only)."""
+        return self.rows_at(self.kv_groups + n_groups) - self.rows_at(self.kv_groups)
 
     def rows_lost(self, n_groups: int) -> int:
-        """Rows restoring `n_groups` would remove from each buffer (read-only)."""
-        return self.rows_at(self._offloaded) - self.rows_at(self._offloaded - n_groups)
+        """KV rows restoring `n_groups` would remove from each buffer (read-only; the KV pool's
+        groups come back first)."""
+        return self.rows_at(self.kv_groups) - self.rows_at(self.kv_groups - min(n_groups, self.kv_groups))
 
-    def offload(self, n_groups: int, pool_tokens: int | None = None) -> int:
-        """Transaction: n groups of every eligible layer to the KV tails; returns rows added.
-        `pool_tokens` is the pool size the caller publishes at the end (`on_pool_resize`)."""
-        added = self.rows_gained(n_groups)
+    def offload(self, n_groups: int, pool_tokens: int | None = None, to_state: bool = False) -> int:
+        """Transaction: n groups of every eligible layer to the KV tails (or, `to_state`, to every
+        state layer's tail); returns the rows (or state slots) added. `pool_tokens` is the KV pool size
+        the caller publishes at the end (`on_pool_resize`; not called for a state offload)."""
+        if to_state:
+            self.state_rows_at(self._state_groups + n_groups)  # checks the pool and the bound first
+        added = self._state_rows_gained(n_groups) if to_state else self.rows_gained(n_groups)
         if n_groups == 0:
             return 0
         start = self._quiesce()
-        old_rows, old = self.kv.row_capacity, self._offloaded
+        old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
-            take = (self._kv_extra_pages(old + n_groups) - self._kv_extra_pages(old)) * self.kv.n_buffers
             pool = self._spare + freed
-            self._set_state(old + n_groups, pool[take:], j)
-            new_rows = self.kv.grow(pool[:take], j)
-            self._on_pool_resize(old_rows, new_rows, pool_tokens)
+            if to_state:
+                state_rows = self.state.rows
+                new_state_rows = self.state_rows_at(old_state + n_groups)
+                take = self.state.pages_for(new_state_rows) - self.state.pages_for(state_rows)
+                self._set_state(old + n_groups, pool[take:], j, old_state + n_groups)
+                self.state.grow_to(new_state_rows, pool[:take], j)
+                self._on_state_resize(state_rows, new_state_rows)
+            else:
+                kv = old - old_state
+                take = (self._kv_extra_pages(kv + n_groups) - self._kv_extra_pages(kv)) * self.kv.n_buffers
+                self._set_state(old + n_groups, pool[take:], j, old_state)
+                new_rows = self.kv.grow(pool[:take], j)
+                self._on_pool_resize(old_rows, new_rows, pool_tokens)
         self._count_remap(start, n_groups)
         return added
 
     def restore(self, n_groups: int, pool_tokens: int | None = None) -> int:
-        """Transaction: n groups back into every eligible layer from the KV tails; returns rows removed.
-        `pool_tokens` is the pool size the caller publishes at the end (`on_pool_resize`)."""
+        """Transaction: n groups back into every eligible layer, from the KV tails first, then from
+        the state tails; returns KV rows removed. `pool_tokens` is the pool size the caller publishes
+        at the end (`on_pool_resize`)."""
         removed = self.rows_lost(n_groups)
         if n_groups == 0:
             return 0
+        from_kv = min(n_groups, self.kv_groups)
+        from_state = n_groups - from_kv
+        self.layout.check_offloaded_groups(self._state_groups - from_state)
         start = self._quiesce()
-        old_rows, old = self.kv.row_capacity, self._offloaded
+        old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         per_store = n_groups * self.layout.pages_per_group_per_layer
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
-            drop = self._kv_extra_pages(old) - self._kv_extra_pages(old - n_groups)
+            kv = old - old_state
+            drop = self._kv_extra_pages(kv) - self._kv_extra_pages(kv - from_kv)
             pool = self._spare + self.kv.shrink(drop, self._tail_is_free, j)
+            if from_state:
+                state_rows, new_state_rows = self.state.rows, self.state_rows_at(old_state - from_state)
+                self._on_state_resize(state_rows, new_state_rows)  # refuses slots in use, before any unmap
+                j.record(lambda: self._on_state_resize(new_state_rows, state_rows))
+                pool += self.state.shrink_to(new_state_rows, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
-            self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j)
+            self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j, old_state - from_state)
             self._on_pool_resize(old_rows, self.kv.row_capacity, pool_tokens)
         self._count_remap(start, n_groups)
         return removed
@@ -144,7 +202,8 @@ class Repartitioner:
             group_experts=lay.group_experts, bound_groups=lay.bound_groups, offloaded_groups=self._offloaded,
             offload_ratio=lay.offload_ratio(self._offloaded),
             reclaimed_bytes=self._offloaded * lay.bytes_freed_per_group, spare_bytes=len(self._spare) * gran,
-            rows=self.kv.row_capacity, initial_rows=self.initial_rows,
+            rows=self.kv.row_capacity, initial_rows=self.initial_rows, state_groups=self._state_groups,
+            state_rows=self.state.rows if self.state is not None else 0,
             remap_s=self.remap_s, remapped_bytes=self.remapped_bytes)
 
     def _kv_extra_pages(self, offloaded_groups: int) -> int:
@@ -164,13 +223,16 @@ class Repartitioner:
         self.remap_s += time.perf_counter() - start
         self.remapped_bytes += n_groups * self.layout.bytes_freed_per_group
 
-    def _set_state(self, offloaded: int, spare: list[PageHandle], journal: Journal) -> None:
-        old_offloaded, old_spare = self._offloaded, self._spare
-        self._offloaded, self._spare = offloaded, spare
-        journal.record(lambda: self._restore_state(old_offloaded, old_spare))
+    def _state_rows_gained(self, n_groups: int) -> int:
+        return self.state_rows_at(self._state_groups + n_groups) - self.state_rows_at(self._state_groups)
 
-    def _restore_state(self, offloaded: int, spare: list[PageHandle]) -> None:
-        self._offloaded, self._spare = offloaded, spare
+    def _set_state(self, offloaded: int, spare: list[PageHandle], journal: Journal, state_groups: int) -> None:
+        old = (self._offloaded, self._spare, self._state_groups)
+        self._offloaded, self._spare, self._state_groups = offloaded, spare, state_groups
+        journal.record(lambda: self._restore_state(*old))
+
+    def _restore_state(self, offloaded: int, spare: list[PageHandle], state_groups: int) -> None:
+        self._offloaded, self._spare, self._state_groups = offloaded, spare, state_groups
 
     def close(self) -> None:
         """Release the spare pages (the stores and KV buffers are closed by their owners)."""

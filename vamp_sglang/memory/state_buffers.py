@@ -46,6 +46,28 @@ class StateKind:
         return self.slot_elems * self.dtype.itemsize
 
 
+def pages_for(kinds: Sequence[StateKind], layers: int, granularity_bytes: int, rows: int) -> int:
+    """Pages all kinds and layers map to hold `rows` rows."""
+    return layers * sum(_unit_pages(k, rows, granularity_bytes) for k in kinds)
+
+
+def rows_for_pages(kinds: Sequence[StateKind], layers: int, granularity_bytes: int, pages: int, most: int) -> int:
+    """The most rows, at most `most`, that `pages` pages in all hold; 0 if not even one."""
+    low, high = 0, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        if pages_for(kinds, layers, granularity_bytes, mid) <= pages:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _unit_pages(kind: StateKind, rows: int, granularity_bytes: int) -> int:
+    """Pages one layer of one kind maps for `rows` rows."""
+    return pages_for_rows(rows, kind.slot_bytes, granularity_bytes, 1) if rows else 0
+
+
 class GrowableStateBuffers:
     """`tensors[k]` is kind k as `[layers, rows, *slot_shape]`; every layer's rows grow and shrink together."""
 
@@ -83,18 +105,11 @@ class GrowableStateBuffers:
 
     def pages_for(self, rows: int) -> int:
         """Pages all kinds and layers map to hold `rows` rows."""
-        return self.layers * sum(self._unit_pages(k, rows) for k in self.kinds)
+        return pages_for(self.kinds, self.layers, self.backend.granularity_bytes, rows)
 
     def rows_for_pages(self, pages: int) -> int:
         """The most rows (at most max_rows) that `pages` pages in all hold; 0 if not even one."""
-        low, high = 0, self.max_rows
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.pages_for(mid) <= pages:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return rows_for_pages(self.kinds, self.layers, self.backend.granularity_bytes, pages, self.max_rows)
 
     def view_into(self, tensor: torch.Tensor, kind: int, rows: int) -> None:
         """Point `tensor` (ours or SGLang's) at the first `rows` rows of every layer of kind `kind`, in place."""
@@ -158,7 +173,7 @@ class GrowableStateBuffers:
         self._regions, self._reservations = [], []
 
     def _unit_pages(self, kind: StateKind, rows: int) -> int:
-        return pages_for_rows(rows, kind.slot_bytes, self.backend.granularity_bytes, 1) if rows else 0
+        return _unit_pages(kind, rows, self.backend.granularity_bytes)
 
     def _set_rows(self, rows: int, journal: Journal) -> None:
         old = self.rows
