@@ -151,7 +151,7 @@ def test_dead_kv_goes_first_and_the_walk_predicts_sglangs_eviction(tree):
 
 def test_a_state_shortfall_is_counted_at_its_decision_point(tree, monkeypatch):
     cache, _, reqs = tree
-    pool = hybrid.StatePool(reqs, cache)
+    pool = hybrid.StatePool(reqs, cache, runtime=None)  # VAMP off: counted, SGLang evicts
     monkeypatch.setattr(hybrid, "_state_pool", pool)
     before = pool.stats()["state_pool"]
     assert (before["slots"], before["cached_states"], before["free_slots"]) == (STATE_SLOTS, 3, STATE_SLOTS - 3)
@@ -205,3 +205,73 @@ def test_compaction_moves_cached_rows_under_the_hybrid_wrapper(tree):
             assert torch.equal(buffer[after, 0, 0], (before * (layer + 1)).to(buffer.dtype))
     assert int((alloc.get_all_free_pages() > keep_tokens).sum()) == int(alloc.size) - keep_tokens
     assert matched(cache, [5, 5, 5, 1]) == 3 and matched(cache, [*range(10), 50, 51, 52, 1]) == 13
+
+
+def test_state_candidates_follow_sglangs_state_eviction(tree):
+    """The first state SGLang drops is the least recent one, [5..9]: an inner node, so its KV stays but a
+    request resuming there re-prefills back to the root (its parent [0..4] holds no state)."""
+    cache, _, _ = tree
+    got = [(b.tokens, b.reprefill_tokens) for b in radix.state_eviction_candidates(cache, 3)]
+    # then the leaf [50..52], taking [5..9] along (no state left there), then [99, 98] with [0..4]
+    assert got == [(1, 10), (1, 8), (1, 7)]
+    cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+    assert matched(cache, list(range(10))) == 0 and matched(cache, [*range(10), 50, 51, 52, 9]) == 13
+
+
+# ---- the state pool over growable buffers ---------------------------------------------------------
+
+def laid_out_cache(backend):
+    """The fixture's tree, with its state tensors laid over growable host pages before any state exists."""
+    from vamp_sglang.integration.state_pool import GrowableStatePool
+    from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
+
+    cache, alloc, reqs = build_hybrid_cache()
+    mamba = reqs.mamba_pool.mamba_cache
+    kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in [*mamba.conv, mamba.temporal]]
+    pool = GrowableStatePool(reqs, GrowableStateBuffers(backend, kinds, 3, STATE_SLOTS + 1, 64))
+    return cache, alloc, reqs, pool
+
+
+def last_node(cache, tokens):
+    return cache.match_prefix(MatchPrefixParams(key=key(tokens))).last_device_node  # a node id
+
+
+def slot_of(cache, tokens):
+    node = radix.tree_core_of(cache)._node_arena[last_node(cache, tokens)]
+    return int(node.component_data[ComponentType.MAMBA].value[0])
+
+
+def test_the_state_pool_grows_in_place_and_moves_cached_states_down_before_it_shrinks():
+    from vamp_sglang.memory.backend import select_backend
+    from vamp_sglang.memory.kv_buffers import KVShrinkError
+
+    backend = select_backend("host", "cpu", granularity_bytes=64 * 1024)
+    cache, alloc, reqs, pool = laid_out_cache(backend)
+    temporal = reqs.mamba_pool.mamba_cache.temporal
+    pool.buffers.grow_to(20, [backend.create(64 * 1024) for _ in range(
+        pool.buffers.pages_for(20) - pool.buffers.pages_for(STATE_SLOTS + 1))])
+    pool.resize(19)
+    assert (reqs.mamba_pool.size, reqs.mamba_allocator.size, reqs.mamba_allocator.available_size()) == (19, 19, 19)
+    assert reqs.mamba_pool.mamba_cache.temporal is temporal and temporal.shape[1] == 20
+    held = reqs.mamba_allocator.alloc(17)  # the next state lands in the tail, at slot 18
+    insert(cache, alloc, reqs, [7, 7, 7])
+    reqs.mamba_allocator.free(held)
+    tail = slot_of(cache, [7, 7, 7])
+    assert tail == 18
+    temporal[:, tail].fill_(2.5)
+    with pytest.raises(KVShrinkError, match="not all free"):
+        pool.resize(STATE_SLOTS)
+    assert pool.tail_is_movable(cache, STATE_SLOTS)
+    lock = cache.inc_lock_ref(last_node(cache, [7, 7, 7]))
+    assert not pool.tail_is_movable(cache, STATE_SLOTS)  # a request may read a locked node's state
+    cache.dec_lock_ref(last_node(cache, [7, 7, 7]), lock.to_dec_params())
+    assert pool.compact(cache, STATE_SLOTS) == 1
+    moved = slot_of(cache, [7, 7, 7])
+    assert moved <= STATE_SLOTS and bool((temporal[:, moved] == 2.5).all())
+    assert matched(cache, [7, 7, 7, 1]) == 3
+    pool.resize(STATE_SLOTS)
+    assert reqs.mamba_allocator.available_size() == STATE_SLOTS - 1 and temporal.shape[1] == STATE_SLOTS + 1
+    for handle in pool.buffers.shrink_to(STATE_SLOTS + 1):
+        backend.release(handle)
+    pool.buffers.close()
+    backend.close()

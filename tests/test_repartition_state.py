@@ -136,3 +136,12 @@ def _calls(backend, action):
     backend.arm(None)
     action()
     return backend.calls
+
+
+def test_undoing_a_state_offload_takes_the_state_pools_groups_back_first(system):
+    real, _backend, _weights, stores, kv, state, pool, states, rp, _engine = system
+    rp.offload(1)
+    before = snapshot(real, stores, kv, state, pool, states, rp)
+    rp.offload(1, to_state=True)
+    assert rp.restore(1, state_first=True) == 0  # no KV row dropped: the state group came back
+    assert snapshot(real, stores, kv, state, pool, states, rp) == before

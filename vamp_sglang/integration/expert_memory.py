@@ -5,10 +5,15 @@
 whose last step publishes the new pool size to SGLang (allocator free list and every size copy), so
 a failure anywhere leaves SGLang, the KV rows and the expert bytes as they were.
 
+On a hybrid model the linear-attention state pool grows from the same groups (`slots_for`,
+`offload_state`; `state_pool`): a state-slot shortfall offloads to it, and a restore takes the KV
+pool's groups back first, then the state pool's.
+
 The hooks build it in three steps, all in the scheduler process:
 1. after `ModelRunner.initialize` (model loaded, before KV sizing and graph capture): the experts are
    rebuilt over paged memory (`moe_staging.convert_experts`);
-2. when SGLang creates the KV buffers: they are laid over growable reservations (`kv_pool`);
+2. when SGLang creates the KV buffers (and a hybrid model's state pool): they are laid over growable
+   reservations (`kv_pool`, `state_pool`);
 3. `setup_scheduler`, once the scheduler exists: the `ExpertMemory` joins the VampRuntime (its
    `stats()` feed `/vamp/stats`) and `--vamp-initial-offload-ratio` is applied.
 With `--vamp-max-offload-ratio 0` none of this happens and every hook passes straight through.
@@ -27,10 +32,11 @@ import torch
 
 from vamp_sglang.config import VampConfig
 from vamp_sglang.faults import NONE, Faults
-from vamp_sglang.integration import kv_pool, moe_staging
+from vamp_sglang.integration import kv_pool, moe_staging, state_pool
 from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.integration.kv_pool import GrowablePool
 from vamp_sglang.integration.moe_staging import ModelExperts
+from vamp_sglang.integration.state_pool import GrowableStatePool
 from vamp_sglang.memory.backend import PageBackend, select_backend
 from vamp_sglang.memory.kv_buffers import KVShrinkError
 from vamp_sglang.memory.repartition import Repartitioner
@@ -42,18 +48,24 @@ class ExpertMemory:
     """One scheduler's expert-to-KV repartitioning, in KV tokens and expert groups per eligible layer."""
 
     def __init__(self, experts: ModelExperts, pool: GrowablePool, allocator: Any,
-                 publish: Callable[[], dict[str, int]], quiesce: Callable[[], None]) -> None:
+                 publish: Callable[[], dict[str, int]], quiesce: Callable[[], None],
+                 states: GrowableStatePool | None = None, tree_cache: Any = None) -> None:
         """`publish()` refreshes SGLang's copies of the pool size after the allocator changed and returns
-        them; `quiesce()` waits until no forward can touch the pages about to move."""
+        them; `quiesce()` waits until no forward can touch the pages about to move. `states` is a hybrid
+        model's state pool, whose cached states in `tree_cache` a restore may move."""
         kv_pool.check_allocator(allocator, pool)
         self.experts, self.pool, self.allocator = experts, pool, allocator
+        self.states, self.tree_cache = states, tree_cache
+        self._state_target: int | None = None  # the state pool size the running offload publishes
         self._publish, self._quiesce = publish, quiesce
         self.layout = experts.layout
         self.faults: Faults = NONE  # VAMP_SGLANG_FAULT=remap:P makes the transaction fail here
         self.remap_s = 0.0
         self.size_snapshots: dict[str, int] = {}
-        self.repartitioner = Repartitioner(self.layout, experts.stores, pool.kv, self._on_pool_resize,
-                                           tail_is_free=self._tail_is_free, staging=experts.engine)
+        self.repartitioner = Repartitioner(
+            self.layout, experts.stores, pool.kv, self._on_pool_resize, tail_is_free=self._tail_is_free,
+            staging=experts.engine, state=states.buffers if states else None,
+            on_state_resize=self._on_state_resize if states else None)
 
     # ---- the API the decision layer uses ---------------------------------------------------------
 
@@ -72,7 +84,27 @@ class ExpertMemory:
     def tokens_for(self, n_groups: int) -> int:
         """KV tokens this rank gains by offloading `n_groups` more groups per eligible layer (read-only)."""
         self._check_groups("n_groups", n_groups, self.headroom_groups())
-        return self._max_tokens_at(self.offloaded_groups + n_groups) - self.pool_tokens
+        return self._max_tokens_at(self.repartitioner.kv_groups + n_groups) - self.pool_tokens
+
+    def slots_for(self, n_groups: int) -> int:
+        """State slots offloading `n_groups` more groups to the state pool adds (read-only; 0 without one)."""
+        self._check_groups("n_groups", n_groups, self.headroom_groups())
+        if self.states is None:
+            return 0
+        return self.repartitioner.state_rows_at(self.repartitioner.state_groups + n_groups) - 1 - self.states.slots
+
+    def offload_state(self, n_groups: int, slots: int) -> None:
+        """Transaction: offload `n_groups` groups from every eligible layer into the state pool and grow
+        it by exactly `slots` (<= slots_for(n_groups), as the ranks agreed); or raise and change nothing."""
+        gain = self.slots_for(n_groups)
+        if self.states is None or not isinstance(slots, int) or not 0 <= slots <= gain or (n_groups == 0 and slots):
+            raise ValueError(f"slots must be an integer in [0, slots_for({n_groups}) = {gain}] (got {slots!r})")
+        if n_groups:
+            self._state_target = self.states.slots + slots
+            try:
+                self._remap(lambda: self.repartitioner.offload(n_groups, to_state=True))
+            finally:
+                self._state_target = None
 
     def offload(self, n_groups: int, tokens: int) -> None:
         """Transaction: offload `n_groups` groups from every eligible layer and grow the pool by exactly
@@ -83,11 +115,26 @@ class ExpertMemory:
         if n_groups:
             self._remap(lambda: self.repartitioner.offload(n_groups, pool_tokens=self.pool_tokens + tokens))
 
+    def undo_state_offload(self, n_groups: int) -> None:
+        """Transaction: take back `n_groups` of the state pool's groups (another rank failed the offload)."""
+        self._check_groups("n_groups", n_groups, self.repartitioner.state_groups)
+        self._state_target = self.states.slots
+        try:
+            self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=self.pool_tokens, state_first=True))
+        finally:
+            self._state_target = None
+
     def restorable_groups(self) -> int:
-        """Groups that can come back now: the KV tail ids they would take are all free."""
+        """Groups that can come back now: the KV tail ids they would take are all free, and the state
+        slots past the smaller state pool are free or hold cached states that can move below it."""
         free_from = kv_pool.free_tail_start(self.allocator)
+        kv_groups = self.repartitioner.kv_groups
         n = 0
-        while n < self.offloaded_groups and self.size_after_restore(n + 1) >= free_from:
+        while n < kv_groups and self.size_after_restore(n + 1) >= free_from:
+            n += 1
+        if n < kv_groups or self.states is None:
+            return n
+        while n < self.offloaded_groups and self._state_tail_movable(self._slots_after_restore(n + 1)):
             n += 1
         return n
 
@@ -98,7 +145,13 @@ class ExpertMemory:
         if n_groups == 0:
             return 0
         old, new = self.pool_tokens, self.size_after_restore(n_groups)
-        self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
+        if self.states is not None and n_groups > self.repartitioner.kv_groups:
+            self.states.compact(self.tree_cache, self._slots_after_restore(n_groups))
+            self._state_target = self.states.slots  # what a rollback gives SGLang back
+        try:
+            self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
+        finally:
+            self._state_target = None
         return old - new
 
     def stats(self) -> dict[str, Any]:
@@ -113,7 +166,7 @@ class ExpertMemory:
                         "live_pages": dataclasses.asdict(self.experts.backend.live_counts()),
                         "remap_gib_per_s": round(rep.remap_gib_per_s, 3),
                         "graph_breaks": moe_staging.staging_breaks(self.experts)},
-            "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups),
+            "kv_pool": {"max_tokens": self._max_tokens_at(lay.bound_groups), "groups": self.repartitioner.kv_groups,
                         "buffer_rows": self.pool.kv.row_capacity, "size_snapshots": dict(self.size_snapshots)},
             "staging": {"wait_s": round(staging.wait_s, 6), "copy_s": round(staging.copy_s, 6),
                         "step_wait_s": round(staging.step_wait_s, 6), "step_copy_s": round(staging.step_copy_s, 6),
@@ -124,6 +177,9 @@ class ExpertMemory:
                                   for mode, totals in staging.by_mode.items()},
                         "split_w2_wait": self.experts.engine.split_w2_wait,
                         "missed_w2_waits": self.experts.engine.missed_w2_waits},
+            **({"state_pool": {**self.states.stats(), "groups": rep.state_groups,
+                               "max_slots": self.repartitioner.state_rows_at(lay.bound_groups) - 1}}
+               if self.states is not None else {}),
         }
 
     # ---- inside a transaction --------------------------------------------------------------------
@@ -159,17 +215,34 @@ class ExpertMemory:
             kv_pool.grow_allocator(self.allocator, new)
         self.size_snapshots = self._publish()
 
+    def _on_state_resize(self, old_rows: int, new_rows: int) -> None:
+        """A state remap's publish step: SGLang's state pool takes the offload's agreed size, or on a
+        restore (and a rollback) the size the mapped rows allow (raising here rolls the remap back)."""
+        self.faults.check("remap", "the state pool resize of a remap transaction")
+        target = self._state_target if self._state_target is not None and new_rows > old_rows else new_rows - 1
+        self.states.resize(min(target, new_rows - 1))
+
+    def _slots_after_restore(self, n_groups: int) -> int:
+        """The state pool size once `n_groups` groups are back (the KV pool's come back first)."""
+        rep = self.repartitioner
+        state_groups = rep.state_groups - max(n_groups - rep.kv_groups, 0)
+        return min(self.states.slots, rep.state_rows_at(state_groups) - 1)
+
+    def _state_tail_movable(self, keep_slots: int) -> bool:
+        return self.states.free_tail_start() <= keep_slots or self.states.tail_is_movable(self.tree_cache, keep_slots)
+
     def _tail_is_free(self, first_row: int, end_row: int) -> bool:
         """Rows past the new buffer end may be dropped only if SGLang's ids there are free."""
         new_size = min(self.pool_tokens, self.pool.size_for_rows(first_row))
         return kv_pool.free_tail_start(self.allocator) <= new_size
 
     def size_after_restore(self, n_groups: int) -> int:
-        """The pool size once `n_groups` groups are back (rows above it must be free first)."""
-        return min(self.pool_tokens, self._max_tokens_at(self.offloaded_groups - n_groups))
+        """The KV pool size once `n_groups` groups are back, the KV pool's first (rows above it must be free)."""
+        kv_groups = self.repartitioner.kv_groups
+        return min(self.pool_tokens, self._max_tokens_at(kv_groups - min(n_groups, kv_groups)))
 
-    def _max_tokens_at(self, offloaded_groups: int) -> int:
-        return self.pool.size_for_rows(self.repartitioner.rows_at(offloaded_groups))
+    def _max_tokens_at(self, kv_groups: int) -> int:
+        return self.pool.size_for_rows(self.repartitioner.rows_at(kv_groups))
 
     @staticmethod
     def _check_groups(name: str, value: int, most: int) -> None:
@@ -186,6 +259,7 @@ class _Process:
     backend: PageBackend
     experts: ModelExperts
     pool: GrowablePool | None = None
+    states: GrowableStatePool | None = None
     memory: ExpertMemory | None = None
 
 
@@ -221,6 +295,13 @@ def _around_create_buffers_normal(original: Callable, pool: Any, *args: Any, **k
     return None
 
 
+def _after_init_mamba_pool(result: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> None:
+    if _process is None or _process.states is not None:
+        return
+    _process.states = state_pool.lay_state_pool_over_growable(req_to_token_pool, _process.backend,
+                                                              _process.experts.layout)
+
+
 def _before_forward_raw(runner: Any, forward_batch: Any = None, *args: Any, **kwargs: Any) -> None:
     if _process is not None and not runner.is_draft_worker:
         input_ids = getattr(kwargs.get("forward_batch", forward_batch), "input_ids", None)
@@ -247,9 +328,13 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
         raise kv_pool.UnsupportedPoolError("vamp: the experts are paged but SGLang built its KV pool "
                                            "without MHATokenToKVPool._create_buffers_normal")
     device = _process.backend.device
+    states = _process.states
+    if states is not None and scheduler.req_to_token_pool.mamba_pool is not states.mamba_pool:
+        raise state_pool.UnsupportedStatePoolError("vamp: the scheduler's state pool is not the one VAMP laid out")
     memory = ExpertMemory(_process.experts, _process.pool, scheduler.token_to_kv_pool_allocator,
                           publish=lambda: kv_pool.publish_pool_size(scheduler),
-                          quiesce=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_op)
+                          quiesce=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_op,
+                          states=states, tree_cache=scheduler.tree_cache)
     memory.faults = runtime.faults
     _process.memory = memory
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
@@ -272,6 +357,8 @@ HOOKS = [
          "page the experts once the model is loaded, before KV sizing and graph capture"),
     Hook("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
          _around_create_buffers_normal, "lay the KV buffers over reservations that grow in place"),
+    Hook("sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool", "after", _after_init_mamba_pool,
+         "hybrid models: lay the linear-attention state tensors over reservations whose every layer grows in place"),
     Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,
          "pick the step's staging mode from its token count; whole-region steps start staging the first "
          "eligible layer's offloaded experts at forward start"),

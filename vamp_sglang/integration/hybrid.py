@@ -9,13 +9,16 @@ of `HybridReqToTokenPool`; a shortfall of state slots never passes through `evic
 `ensure_mamba_capacity`, `_alloc_mamba_slot` and the copy-on-write of a matched state call
 `UnifiedRadixCache.evict_for_alloc(EvictParams(mamba_num=n))`, which drops states in LRU order
 (an internal node keeps its KV but can no longer end a match; a leaf goes with its KV). This
-module is the decision point there: it counts each state shortfall, what it drops and the KV
-tokens freed with it, for `/vamp/stats`.
-
-Growing the state pool from expert pages is not done: `MambaPool` stores each state as one
-layer-major tensor `[layers, slots + 1, ...]`, so new slots are not a tail of its memory (each
-layer's slots are contiguous) and cannot be mapped in place the way KV rows are. A state shortfall
-is therefore always covered by SGLang's own state eviction.
+module is the decision point there (paper IV-B, in state slots): with VAMP on, the same planner
+prices the two ways to cover the n slots short, in slots instead of tokens:
+- evict: the states SGLang would drop, in its order, each at C_c (Eq. 2) of the KV it makes no
+  match reach (`radix.state_eviction_candidates`);
+- offload: the fewest groups whose pages give the state pool n slots (`ExpertMemory.slots_for`,
+  state_pool.py lays the state tensors over growable buffers), at C_o (Eq. 3);
+- combined: offload what stays below n, evict the rest. Preempting is not an option here: SGLang
+  asserts when a state slot cannot be found.
+The TP ranks agree on the groups and slots as for a KV offload; SGLang then evicts only what is
+still short. Whatever fails in our code falls back to SGLang's eviction for that shortfall.
 
 Configurations refused with VAMP on (by the launcher where a flag names them, else by `check_supported`
 at scheduler start; both word them through vamp_sglang.hybrid_refusals), each with the reason: SGLang's
@@ -26,10 +29,20 @@ at a node's end as the pricing assumes).
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import logging
+import time
+import zlib
+from collections import Counter
 from typing import Any
 
 from vamp_sglang import hybrid_refusals
 from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.policy import OffloadState, Snapshot, plan
+
+logger = logging.getLogger(__name__)
+_deciding: contextvars.ContextVar[bool] = contextvars.ContextVar("vamp_state_deciding", default=False)
 
 
 class UnsupportedHybridError(RuntimeError):
@@ -63,22 +76,95 @@ def check_supported(kvcache: Any, req_to_token_pool: Any, tree_cache: Any) -> No
 
 
 class StatePool:
-    """The linear-attention state pool as `/vamp/stats` shows it, and its shortfalls."""
+    """The linear-attention state pool as `/vamp/stats` shows it, its shortfalls and their decisions."""
 
-    def __init__(self, req_to_token_pool: Any, tree_cache: Any) -> None:
-        self.req_to_token_pool, self.tree_cache = req_to_token_pool, tree_cache
+    def __init__(self, req_to_token_pool: Any, tree_cache: Any, runtime: Any) -> None:
+        self.req_to_token_pool, self.tree_cache, self.runtime = req_to_token_pool, tree_cache, runtime
         self.shortfalls = 0  # evict_for_alloc calls that asked for state slots
         self.slots_short = 0  # state slots they asked for
         self.states_evicted = 0  # state checkpoints they dropped
         self.kv_tokens_freed = 0  # full-attention KV that went with them (leaves go whole)
+        self.slots_added = 0  # state slots offloading added at shortfalls
+        self.decisions: Counter[str] = Counter()  # plan actions at state shortfalls (VAMP on)
+        self.errors = 0
 
     def on_shortfall(self, original: Any, cache: Any, params: Any, **kwargs: Any) -> Any:
-        result = original(cache, params, **kwargs)
+        from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+
+        gap = int(params.mamba_num)
         self.shortfalls += 1
-        self.slots_short += int(params.mamba_num)
+        self.slots_short += gap
+        added = self._decide(gap) if "allocation_reclaim_satisfied" not in kwargs else 0
+        if added >= gap:
+            return EvictResult()  # the pool grew by the whole shortfall: nothing to evict
+        if added:
+            params = dataclasses.replace(params, mamba_num=gap - added)  # SGLang targets free + request
+        result = original(cache, params, **kwargs)
         self.states_evicted += int(result.mamba_num_evicted)
         self.kv_tokens_freed += int(result.num_tokens_evicted)
         return result
+
+    def _decide(self, gap: int) -> int:
+        """Plan the shortfall (in slots) and carry out its offload; returns the slots added."""
+        from vamp_sglang.integration import decisions, radix
+
+        maker = decisions.maker()
+        memory = maker.memory if maker is not None else None
+        if memory is None or memory.states is None or _deciding.get():
+            return 0
+        token = _deciding.set(True)  # SGLang's eviction re-enters evict_for_alloc
+        start, snapshot, chosen = time.perf_counter(), None, None
+        try:
+            try:
+                view = self._offer(maker)
+                free = int(self.req_to_token_pool.mamba_allocator.available_size())
+                snapshot = Snapshot(
+                    site="prefill", gap_tokens=gap, free_tokens=free,
+                    evictable=tuple(radix.state_eviction_candidates(self.tree_cache, gap)),
+                    offload=OffloadState(headroom_groups=len(view), tokens_by_groups=view,
+                                         shards_per_group=memory.layout.group_experts if view else 0,
+                                         local_experts=memory.layout.local_experts, top_k=maker.top_k,
+                                         decode_budget_min=_decode_budget_min(self.runtime.scheduler)),
+                    preempt=(), retract_buffer_tokens=0, observed_hit_rate=self.runtime.ledger.hit_rate,
+                    coefficients=maker.coefficients().as_overrides(), tpot_guard_groups=maker.guard_cap_groups())
+                chosen = plan(snapshot, maker.base_coefficients, maker.config.policy)
+            except Exception:  # a decision error must never reach SGLang's cache
+                self.errors += 1
+                logger.exception("vamp: state-shortfall decision failed; SGLang's own eviction covers it")
+            groups = chosen.groups if chosen is not None and chosen.action != "evict" else 0
+            added = self._offload(maker, groups)
+            if chosen is not None:
+                self.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
+                maker.log.record(step=self.runtime.step, site="state", policy=maker.config.policy,
+                                 snapshot=snapshot, plan=chosen, decide_s=time.perf_counter() - start,
+                                 outcome={"slots_added": added, "state_slots": memory.states.slots})
+            return added
+        finally:
+            _deciding.reset(token)
+
+    @staticmethod
+    def _offer(maker: Any) -> tuple[int, ...]:
+        """Slots 1, 2, ... more groups add to the state pool, the same on every rank (else none offered)."""
+        memory = maker.memory
+        headroom = maker.offer().headroom_groups  # 0 while offloading is backed off or blocked
+        local = tuple(memory.slots_for(n) for n in range(1, headroom + 1))
+        if not maker.rounds.all_equal(zlib.crc32(repr(local).encode()) & 0x7FFFFFFF):
+            return ()
+        return local
+
+    def _offload(self, maker: Any, groups: int) -> int:
+        """Offload `groups` into the state pool on every rank or on none (the rounds a KV offload runs)."""
+        memory = maker.memory
+        groups = maker.rounds.agree(groups)
+        if groups == 0:
+            return 0
+        added = maker.rounds.remap(memory.slots_for(groups), lambda slots: memory.offload_state(groups, slots),
+                                   lambda: memory.undo_state_offload(groups))
+        if added:
+            self.slots_added += added
+            maker.refresh_view()
+            self.runtime.publish_metrics()
+        return added
 
     def _cached_states(self) -> int:
         # The cache's public sizes: the Rust tree core (stock, ratio 0) has no component_*_size_ dicts.
@@ -93,10 +179,24 @@ class StatePool:
             "evictable_states": int(self.tree_cache.mamba_evictable_size()),
             "shortfalls": self.shortfalls, "slots_short": self.slots_short,
             "states_evicted": self.states_evicted, "kv_tokens_freed_with_states": self.kv_tokens_freed,
-            "grows_from_experts": False}}
+            "slots_added": self.slots_added, "decisions": dict(self.decisions), "decision_errors": self.errors,
+            "grows_from_experts": self._grows()}}
+
+    @staticmethod
+    def _grows() -> bool:
+        from vamp_sglang.integration import decisions
+
+        maker = decisions.maker()
+        return maker is not None and maker.memory.states is not None
 
 
 _state_pool: StatePool | None = None
+
+
+def _decode_budget_min(scheduler: Any) -> int:
+    """w of Eq. 3: the smallest remaining decode budget among the running requests."""
+    budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in scheduler.running_batch.reqs]
+    return max(1, min(budgets, default=1))
 
 
 def _around_evict_for_alloc(original: Any, cache: Any, params: Any, **kwargs: Any) -> Any:
@@ -119,5 +219,5 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     if runtime.config.enabled:
         check_supported(scheduler.token_to_kv_pool_allocator.get_kvcache(), scheduler.req_to_token_pool,
                         scheduler.tree_cache)
-    _state_pool = StatePool(scheduler.req_to_token_pool, scheduler.tree_cache)
+    _state_pool = StatePool(scheduler.req_to_token_pool, scheduler.tree_cache, runtime)
     runtime.extensions.append(_state_pool)

@@ -203,6 +203,17 @@ class _HybridView(HybridTree[UnifiedTreeNode]):
         return self.core.has_state(node)
 
 
+class _StatesDropped(_HybridView):
+    """The hybrid view once the states in `dropped` are gone (an inner node keeps its KV)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        super().__init__(core)
+        self.dropped: set[UnifiedTreeNode] = set()
+
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        return node not in self.dropped and self.core.has_state(node)
+
+
 class LostTokens:
     """Tokens each node's eviction makes unreachable, for nodes taken in eviction order: each call
     assumes the nodes asked about before it are gone (a plain tree loses a node's own tokens)."""
@@ -282,6 +293,29 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
         covered += tokens
         out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
                                   core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None))
+    return out
+
+
+def state_eviction_candidates(tree_cache: Any, need_slots: int) -> list[EvictableBlock]:
+    """Hybrid trees: the states SGLang's state eviction would drop, in its order (the MAMBA LRU list from
+    its least recent end, locked nodes skipped), until they cover `need_slots`; one slot each. A leaf
+    goes with its KV, and so do stateless ancestors left with no state below (`tokens_losing_reuse`);
+    an inner node keeps its KV, but a request resuming at it re-prefills back to the nearest state above."""
+    core = tree_core_of(tree_cache)
+    lru, view, now = core.lru_lists[_MAMBA], _StatesDropped(core), core.now_steps()
+    out, gone, node = [], set(), lru.get_lru_no_lock()
+    while node is not None and len(out) < need_slots:
+        if node in core.evictable_device_leaves:
+            lost = tokens_losing_reuse(view, node, gone)
+            gone.add(node)
+        else:
+            lost, above = core.node_tokens(node), view.parent(node)
+            while above is not None and not view.has_state(above):
+                lost, above = lost + core.node_tokens(above), view.parent(above)
+        view.dropped.add(node)
+        out.append(EvictableBlock(1, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
+                                  core.prior_hit_rate(node), lost))
+        node = lru.get_prev_no_lock(node)
     return out
 
 

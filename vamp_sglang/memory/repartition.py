@@ -165,15 +165,15 @@ class Repartitioner:
         self._count_remap(start, n_groups)
         return added
 
-    def restore(self, n_groups: int, pool_tokens: int | None = None) -> int:
+    def restore(self, n_groups: int, pool_tokens: int | None = None, state_first: bool = False) -> int:
         """Transaction: n groups back into every eligible layer, from the KV tails first, then from
-        the state tails; returns KV rows removed. `pool_tokens` is the pool size the caller publishes
-        at the end (`on_pool_resize`)."""
-        removed = self.rows_lost(n_groups)
+        the state tails (`state_first`: the other way round, to undo a state offload); returns KV rows
+        removed. `pool_tokens` is the pool size the caller publishes at the end (`on_pool_resize`)."""
+        from_state = min(n_groups, self._state_groups) if state_first else max(n_groups - self.kv_groups, 0)
+        from_kv = n_groups - from_state
+        removed = self.rows_at(self.kv_groups) - self.rows_at(self.kv_groups - from_kv)
         if n_groups == 0:
             return 0
-        from_kv = min(n_groups, self.kv_groups)
-        from_state = n_groups - from_kv
         self.layout.check_offloaded_groups(self._state_groups - from_state)
         start = self._quiesce()
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
