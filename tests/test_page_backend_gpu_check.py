@@ -13,7 +13,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
-SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed"]
+SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state"]
 
 
 def run(*args, tmp_path):
@@ -54,6 +54,7 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert report["overlap"]["outputs_exact"] is True
     routed = report["routed"]  # issue 12: routed, whole and auto steps exact; routed stages fewer bytes
     assert routed["ok"] and routed["routed_exact"] and routed["auto_exact"] and routed["routed_stages_fewer_bytes"]
+    assert report["state"]["ok"] and report["state"]["slot_clear_hits_every_layer"]  # issue 11: state pool
 
 
 @pytest.mark.gpu
