@@ -211,6 +211,60 @@ def test_idle_polls_count_towards_the_back_off_after_a_missed_round(maker):
     assert not dm.rounds.blocked and dm.runtime.step == step
 
 
+class PeerAlike:
+    """A second TP rank, as the rounds see it: it proposes what this rank does and misses the rounds
+    `misses(round_id)` names (a late or lost rank)."""
+
+    world_size, rank, timeout_s = 2, 0, 0.0
+
+    def __init__(self, misses):
+        self.misses, self.held = misses, []
+
+    def agree_min(self, round_id, value):
+        self.held.append(round_id)
+        return value
+
+    def all_ok(self, round_id, ok):
+        return ok and not self.misses(round_id)
+
+
+def test_an_idle_check_after_a_missed_round_does_not_wait_out_the_back_off(maker, monkeypatch):
+    """Found by a TP2 soak with agree-timeout:0.05: a round missed as the load ended held rounds back
+    for 256 ticks; under --sleep-on-idle an idle poll comes about once a second, the idle checks in
+    the back-off agreed on 0 s of idleness, and the first past it came at poll 256 or 512: experts
+    still offloaded 180 s later. An idle check backs off on its own (doubling poll counts), so it
+    holds its round during the back-off, and a round every rank answered ends the back-off."""
+    dm = maker.make()
+    maker.memory.offload(1, maker.memory.tokens_for(1))
+    dm.refresh_view()
+    missed = dm.rounds.round_id + 1
+    dm.controller = dm.rounds.controller = PeerAlike(lambda round_id: round_id == missed)
+    clock = [time.monotonic()]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    dm.maybe_restore(idle=True)  # poll 1: the idle check's round is missed
+    assert dm.rounds.missed == 1 and dm.rounds.blocked
+    clock[0] += 11.0
+    for _ in range(3):  # polls 2 to 4
+        dm.maybe_restore(idle=True)
+    assert maker.memory.offloaded_groups == 0 and not dm.rounds.blocked
+    assert dm.log.recent()[-1]["site"] == "restore"
+
+
+def test_a_lost_rank_costs_an_idle_server_a_round_only_at_its_doubling_idle_checks(maker, monkeypatch):
+    """The other side of holding idle checks' rounds during the back-off: with a rank gone for good,
+    each check waits out a time-out, so they must stay at doubling poll counts (1, 2, 4, ...)."""
+    dm = maker.make()
+    maker.memory.offload(1, maker.memory.tokens_for(1))
+    dm.refresh_view()
+    peer = dm.controller = dm.rounds.controller = PeerAlike(lambda round_id: True)
+    clock = [time.monotonic()]
+    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    for _ in range(64):
+        clock[0] += 1.0
+        dm.maybe_restore(idle=True)
+    assert len(peer.held) == 7 and maker.memory.offloaded_groups == 1  # polls 1, 2, 4, ..., 64
+
+
 def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatch):
     """Before, the idle restore evicted first and only then found the tail could not be freed."""
     dm = maker.make()

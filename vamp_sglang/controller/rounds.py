@@ -6,6 +6,8 @@ layer needs around a bare round:
 - `agree(value, fallback)`: the minimum over ranks, or `fallback` when a rank missed the round;
   after a miss no round is held for ROUND_BACKOFF_STEPS ticks of `step_fn` (every live rank saw the
   miss, so they back off alike), so a lost rank does not make every shortfall wait out time-outs;
+  a caller that backs off on its own may hold its round during the back-off (`despite_backoff`), and
+  a round every rank answered ends the back-off (every rank saw that too);
 - `remap(proposal, apply, undo)`: agree on min(proposal), apply it everywhere, and undo unless every
   rank succeeded; the undo is retried and never fault-injected (it compensates, it is no new remap);
 - `all_equal(value)`: whether every rank holds the same value (a fingerprint check);
@@ -53,12 +55,14 @@ class RankRounds:
             time.sleep(LATE_ROUND_FACTOR * self.controller.timeout_s)
         return self.round_id, self.controller.agree_min(self.round_id, value)
 
-    def agree(self, value: int, fallback: int = 0) -> int:
+    def agree(self, value: int, fallback: int = 0, despite_backoff: bool = False) -> int:
         """The minimum of `value` over ranks, or `fallback` when a rank missed the round or rounds
-        are held back after a miss."""
+        are held back after a miss. `despite_backoff`: hold the round anyway, for a caller whose rounds
+        are already sparse (the idle check, at doubling poll counts): an idle server polls about once
+        a second, so ROUND_BACKOFF_STEPS ticks of it are minutes."""
         if not self.several:
             return value
-        if self.blocked:
+        if self.blocked and not despite_backoff:
             return fallback
         round_id, agreed = self._agree_min(value)
         if not self.controller.all_ok(round_id, True):  # every rank voted yes: a rank was missing
@@ -67,6 +71,7 @@ class RankRounds:
             logger.warning("vamp: a TP rank missed agreement round %d; no remaps for %d steps",
                            round_id, ROUND_BACKOFF_STEPS)
             return fallback
+        self.blocked_until_step = 0  # every rank answered, and all saw the same outcome
         return agreed
 
     def all_equal(self, value: int) -> bool:

@@ -380,7 +380,8 @@ class DecisionMaker:
                 if self.idle_polls < self.next_idle_check:
                     return
                 self.next_idle_check *= 2
-            idle_s = self.rounds.agree(int((now - self.idle_since) * 1000)) / 1000
+            # held even during the rounds' back-off: the doubling poll counts are this check's own
+            idle_s = self.rounds.agree(int((now - self.idle_since) * 1000), despite_backoff=True) / 1000
             if idle_s < IDLE_RESTORE_S:
                 return
         else:
@@ -403,6 +404,8 @@ class DecisionMaker:
             tail_free=self.memory.restorable_groups() >= groups,
             can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens))
         chosen = plan_restore(state)
+        if not chosen.groups:  # the decision log records attempts only: say why there was none
+            logger.debug("vamp: no restore at step %d: %s", self.runtime.step, chosen.reason)
         self.calm_steps = 0  # one attempt per calm period, restored or not
         proposal = self.rounds.agree(chosen.groups)  # go ahead only if every rank can
         if proposal == 0:
