@@ -1,4 +1,4 @@
-"""`python -m eval.soak [--minutes M] [--tp 1 2] [--fault remap:0.2] [--out DIR]`: does VAMP stay up?
+"""`python -m eval.soak [--minutes M] [--tp 1 2] [--fault remap:0.2] [--out DIR] [--decision-log PATH]`: does VAMP stay up?
 
 For each TP size, one server through our launcher (VAMP-20, a pool far below the sessions'
 prefixes, `VAMP_SGLANG_FAULT` as given) gets M minutes of the closed-loop multi-turn workload from
@@ -113,10 +113,12 @@ def _live_pages(stats: dict) -> dict:
     return stats["experts"]["live_pages"]
 
 
-def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str) -> dict:
+def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str, decision_log: str | None = None) -> dict:
     setup = ServerSetup(str(ensure_tiny_model(model)), max_total_tokens=POOL_TOKENS, tp_size=tp, log_dir=log_dir)
-    config = ServerConfig(f"soak-tp{tp}", ("--vamp-max-offload-ratio", "0.2", "--vamp-restore-after-steps", "400"),
-                          env=(("VAMP_SGLANG_FAULT", fault),))
+    flags = ("--vamp-max-offload-ratio", "0.2", "--vamp-restore-after-steps", "400")
+    if decision_log:
+        flags += ("--vamp-decision-log", f"{decision_log}.tp{tp}")
+    config = ServerConfig(f"soak-tp{tp}", flags, env=(("VAMP_SGLANG_FAULT", fault),))
     with Server(setup, config) as server:
         url, start_stats = server.url, get_json(f"{server.url}/vamp/stats")
         tally, samples, running = Tally(), [], threading.Event()
@@ -145,11 +147,13 @@ def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str) -> dict:
         for c in clients:
             c.join()
         end_rss = _rss_bytes(server.process.pid)
-        deadline = time.monotonic() + 180  # idle: the experts come back after 10 s without requests
+        idle_from = time.monotonic()
+        deadline = idle_from + 180  # idle: the experts come back after 10 s without requests
         stats = get_json(f"{url}/vamp/stats")
         while stats["experts"]["offloaded_groups"] and time.monotonic() < deadline:
             time.sleep(2)
             stats = get_json(f"{url}/vamp/stats")
+        restored_after_s = None if stats["experts"]["offloaded_groups"] else round(time.monotonic() - idle_from, 1)
     warm = [s for s in samples if s["t_s"] >= WARMUP_FRACTION * minutes * 60] or samples
     warm_rss = warm[0]["rss_bytes"] if warm else end_rss
     return {
@@ -163,6 +167,7 @@ def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str) -> dict:
                       "end": end_rss, "growth_after_warmup": (end_rss - warm_rss) / warm_rss if warm_rss else None},
         "live_pages": {"start": _live_pages(start_stats), "after_restore": _live_pages(stats),
                        "offloaded_groups_after_restore": stats["experts"]["offloaded_groups"]},
+        "idle_restore_s": restored_after_s,  # from the end of the load; None: experts still offloaded at 180 s
         "samples": samples,
     }
 
@@ -194,22 +199,24 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fault", default="remap:0.2", help="VAMP_SGLANG_FAULT for the server")
     parser.add_argument("--out", default="results/soak")
+    parser.add_argument("--decision-log", help="the server's --vamp-decision-log, as PATH.tp<N> (rank r>0: .rank<r>)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [soak(args.model, tp, args.minutes, args.fault, str(out / "logs")) for tp in args.tp]
+    results = [soak(args.model, tp, args.minutes, args.fault, str(out / "logs"), args.decision_log) for tp in args.tp]
     (out / "soak.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "soak.png")
     ok = True
     for r in results:
         growth = r["rss_bytes"]["growth_after_warmup"]
         leak_free = r["live_pages"]["start"] == r["live_pages"]["after_restore"]
-        ok &= r["failed"] == 0 and growth is not None and growth < 0.05 and leak_free
+        back = "NOT within 180 s idle" if r["idle_restore_s"] is None else f"after {r['idle_restore_s']:g} s idle"
+        ok &= r["failed"] == 0 and growth is not None and growth < 0.05 and leak_free and r["idle_restore_s"] is not None
         print(f"TP{r['tp']}: {r['minutes']:g} min, served {r['served']}, aborted by client {r['aborted_by_client']}, "
               f"failed {r['failed']}; pool {r['pool_tokens']}; remap failures {r['failures']['offload']} "
               f"(+{r['failures']['restore']} restores); RSS {r['rss_bytes']['after_warmup'] / 2**30:.2f} -> "
               f"{r['rss_bytes']['end'] / 2**30:.2f} GiB ({100 * growth:+.1f}%); live pages "
-              f"{r['live_pages']['start']} -> {r['live_pages']['after_restore']}")
+              f"{r['live_pages']['start']} -> {r['live_pages']['after_restore']}; experts back {back}")
     print(f"wrote {out / 'soak.json'} and {out / 'soak.png'}; {'PASS' if ok else 'FAIL'}")
     raise SystemExit(0 if ok else 1)
 
