@@ -10,25 +10,30 @@ the state pool grown from expert pages at its shortfalls:
   offloading wins, and no state allocation falls short afterwards: the last turn of every session
   resumes from the checkpoint its previous turn left (cached tokens = the whole previous context but
   its last token);
-- the greedy tokens of every turn equal `vamp_sglang.tiny_next_reference`.
+- the greedy tokens of every turn equal `vamp_sglang.tiny_next_reference`;
+- idle, the experts come back: the states the start pool cannot hold are evicted, the rest moved below
+  it, and every session's next request (on the start pool, resuming from a moved state or from scratch)
+  still equals the reference.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from eval.servers import Server, ServerConfig, ServerSetup, get_json
-from tests.test_qwen3_next_vamp_server import NEW_TOKENS, _session
+from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
+from tests.test_qwen3_next_vamp_server import GREEDY, NEW_TOKENS, _session
 from vamp_sglang.tiny_moe import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
 pytestmark = pytest.mark.server
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-next"
 POOL_TOKENS, STATE_SLOTS, SESSIONS = 4096, 6, 4
+IDLE_WAIT_S = 60  # the experts come back after 10 s idle
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +47,16 @@ def run(tmp_path_factory):
         before = get_json(f"{server.url}/vamp/stats")
         with cf.ThreadPoolExecutor(SESSIONS) as pool:
             sessions = list(pool.map(lambda s: _session(server.url, s), range(SESSIONS)))
+        after = get_json(f"{server.url}/vamp/stats")
+        deadline, restored = time.monotonic() + IDLE_WAIT_S, after
+        while restored["experts"]["offloaded_groups"] and time.monotonic() < deadline:
+            time.sleep(2)
+            restored = get_json(f"{server.url}/vamp/stats")
+        # every session once more, on the smaller pool: its cached prefix resumes from a moved state
+        again = [post_json(f"{server.url}/generate", {"input_ids": s["context"], "sampling_params": GREEDY})
+                 for s in sessions]
         return {"model": model, "sessions": sessions, "before": before, "log": logs / "decisions.jsonl",
-                "after": get_json(f"{server.url}/vamp/stats")}
+                "after": after, "restored": restored, "again": again}
 
 
 def test_state_shortfalls_grew_the_state_pool_from_experts(run):
@@ -61,7 +74,8 @@ def test_eviction_until_reuse_is_seen_then_offload_and_no_shortfall_after(run):
     first shortfalls evict; once turns resume from checkpoints, offloading is cheaper, and after the
     state pool grew no state allocation fell short again."""
     log = [json.loads(line) for line in run["log"].read_text().splitlines()]
-    state = [d for d in log if d["site"] == "state"]
+    load = log[:next((i for i, d in enumerate(log) if d["site"] == "restore"), len(log))]  # before the idle restore
+    state = [d for d in load if d["site"] == "state"]
     first_offload = next(i for i, d in enumerate(state) if d["outcome"]["slots_added"] > 0)
     assert all(d["plan"]["action"] == "evict" for d in state[:first_offload])
     assert state[first_offload]["snapshot"]["observed_hit_rate"] > 0
@@ -78,3 +92,19 @@ def test_greedy_tokens_equal_the_plain_torch_reference(run):
         for turn in session["turns"]:
             start = turn["prompt_tokens"]
             assert turn["output_ids"] == predicted[start - 1:start - 1 + NEW_TOKENS]
+
+
+def test_idle_restore_shrinks_the_state_pool_back_and_moved_states_still_resume_right(run):
+    restored = run["restored"]
+    assert restored["experts"]["offloaded_groups"] == 0 and restored["decisions"]["restore"] >= 1
+    state = restored["state_pool"]
+    assert (state["slots"], state["groups"]) == (STATE_SLOTS, 0)
+    assert 0 < state["cached_states"] <= STATE_SLOTS
+    reference = TinyNextReference(run["model"])
+    resumed = 0
+    for session, out in zip(run["sessions"], run["again"]):
+        ids = session["context"] + out["output_ids"]
+        predicted = reference.logits(ids[:-1]).argmax(-1).tolist()
+        assert out["output_ids"] == predicted[len(session["context"]) - 1:]
+        resumed += out["meta_info"]["cached_tokens"] > 0
+    assert resumed > 0  # at least one resumed from a cached state that survived the shrink

@@ -37,3 +37,15 @@ def test_idle_waits_for_wall_clock_seconds_and_the_last_step_takes_what_is_left(
     assert plan(idle=True, idle_s=IDLE_RESTORE_S - 0.1).groups == 0
     assert plan(idle=True, idle_s=IDLE_RESTORE_S, offloaded_groups=3, tail_free=True).groups == 3
     assert plan(idle=True, idle_s=60.0, restore_after_steps=0).groups == 0  # restoring disabled
+
+
+def test_a_state_pool_restore_evicts_the_states_the_smaller_pool_cannot_hold_only_when_idle():
+    """Hybrid models: 300 slots in use (cached states), the state pool shrinking to 6 slots."""
+    hybrid = {"keep_tokens": BUSY.pool_tokens, "used_state_slots": 300, "keep_state_slots": 6,
+              "evictable_states": 300}
+    p = plan(idle=True, idle_s=IDLE_RESTORE_S, **hybrid)
+    assert (p.groups, p.evict_tokens, p.evict_states, p.compact) == (4, 0, 294, True) and "294 states" in p.reason
+    assert plan(calm_steps=100, **hybrid).groups == 0  # a calm restore never evicts
+    blocked = plan(idle=True, idle_s=IDLE_RESTORE_S, **{**hybrid, "evictable_states": 290})  # requests hold 10
+    assert (blocked.groups, blocked.evict_states) == (0, 0)
+    assert plan(idle=True, idle_s=IDLE_RESTORE_S, **{**hybrid, "used_state_slots": 5}).evict_states == 0

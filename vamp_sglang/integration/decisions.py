@@ -395,6 +395,7 @@ class DecisionMaker:
                 self.guard.restored()  # one attempt, then patience again
             elif self.calm_steps < self.config.restore_after_steps:
                 return
+        used_states, keep_states, evictable_states = self.memory.state_restore_view(groups)
         state = RestoreState(
             idle=idle, idle_s=idle_s, calm_steps=self.calm_steps, tpot_over_slo=not idle and over_slo,
             restore_after_steps=self.config.restore_after_steps, offloaded_groups=self.memory.offloaded_groups,
@@ -402,7 +403,8 @@ class DecisionMaker:
             keep_tokens=keep_tokens, used_tokens=self.memory.pool_tokens - free,
             evictable_tokens=int(scheduler.tree_cache.evictable_size()), baseline_tokens=self.runtime.baseline_tokens,
             tail_free=self.memory.restorable_groups() >= groups,
-            can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens))
+            can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens),
+            used_state_slots=used_states, keep_state_slots=keep_states, evictable_states=evictable_states)
         chosen = plan_restore(state)
         if not chosen.groups:  # the decision log records attempts only: say why there was none
             logger.debug("vamp: no restore at step %d: %s", self.runtime.step, chosen.reason)
@@ -412,18 +414,17 @@ class DecisionMaker:
             return
         self.next_idle_check = 1  # after an attempt, look again at once: one step at a time
         try:
-            if chosen.evict_tokens:
+            if chosen.evict_tokens or chosen.evict_states:
                 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-                scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens))
+                scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens, mamba_num=chosen.evict_states))
             if chosen.compact:
                 compaction.compact_tail(scheduler.tree_cache, allocator, self.memory.pool.pool, keep_tokens)
             restorable = groups if self.memory.restorable_groups() >= groups else 0
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self._decision_error(e, None)
             restorable = 0
-        restored = self.rounds.remap(restorable, lambda _: self.memory.restore(groups),
-                                      lambda: self.memory.offload(groups, self.memory.tokens_for(groups)))
+        restored = self.rounds.remap(restorable, lambda _: self.memory.restore(groups), self.memory.undo_restore)
         self.log.record_restore(step=self.runtime.step, state=state, plan=chosen, restored_groups=groups
                                 if restored else 0, pool_tokens=self.memory.pool_tokens)
         if restored:

@@ -56,6 +56,7 @@ class ExpertMemory:
         kv_pool.check_allocator(allocator, pool)
         self.experts, self.pool, self.allocator = experts, pool, allocator
         self.states, self.tree_cache = states, tree_cache
+        self.last_restore = (0, 0)  # (KV groups, state groups) the last restore brought back
         self._state_target: int | None = None  # the state pool size the running offload publishes
         self._publish, self._quiesce = publish, quiesce
         self.layout = experts.layout
@@ -145,14 +146,33 @@ class ExpertMemory:
         if n_groups == 0:
             return 0
         old, new = self.pool_tokens, self.size_after_restore(n_groups)
-        if self.states is not None and n_groups > self.repartitioner.kv_groups:
+        from_state = max(n_groups - self.repartitioner.kv_groups, 0)
+        if from_state:
             self.states.compact(self.tree_cache, self._slots_after_restore(n_groups))
             self._state_target = self.states.slots  # what a rollback gives SGLang back
         try:
             self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
         finally:
             self._state_target = None
+        self.last_restore = (n_groups - from_state, from_state)
         return old - new
+
+    def undo_restore(self) -> None:
+        """Offload again what the last restore brought back, into the pools it came from (another
+        rank failed the restore)."""
+        kv_groups, state_groups = self.last_restore
+        if kv_groups:
+            self.offload(kv_groups, self.tokens_for(kv_groups))
+        if state_groups:
+            self.offload_state(state_groups, self.slots_for(state_groups))
+
+    def state_restore_view(self, n_groups: int) -> tuple[int, int, int]:
+        """(state slots in use, the state pool size once `n_groups` are back, cached states the tree could
+        evict): what a restore plan needs of the state pool; zeros without one."""
+        if self.states is None:
+            return 0, 0, 0
+        used = self.states.slots - int(self.states.allocator.available_size())
+        return used, self._slots_after_restore(n_groups), int(self.tree_cache.mamba_evictable_size())
 
     def stats(self) -> dict[str, Any]:
         lay, rep = self.layout, self.repartitioner.stats()

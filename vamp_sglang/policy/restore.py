@@ -13,6 +13,10 @@ functions of a `RestoreState` so every restore is logged and replayed like a sho
 In the last two, the cached prefixes that do not fit the smaller pool are evicted cheapest first.
 A restore goes ahead only if that and compaction free every row it drops (no running request may
 hold a tail row), so no prefix is evicted for a restore that cannot happen.
+
+On a hybrid model a restore past the KV pool's groups shrinks the linear-attention state pool: the
+cached states that do not fit the smaller state pool are evicted (SGLang's LRU order) under the same
+rules, and the rest are moved below it (ExpertMemory.restore).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class RestoreState:
     baseline_tokens: int  # the start-up pool
     tail_free: bool  # every row above keep_tokens is free already
     can_compact: bool  # every used row above keep_tokens is an unlocked tree node's (page size 1)
+    used_state_slots: int = 0  # hybrid models: state slots in use (requests and cached states)
+    keep_state_slots: int = 0  # the state pool size once the step is back (= its size if it keeps it)
+    evictable_states: int = 0  # cached states the tree could evict now
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -49,6 +56,7 @@ class RestorePlan:
     evict_tokens: int  # cached tokens to evict first (idle only)
     compact: bool  # move tree-held tail rows below keep_tokens first
     reason: str
+    evict_states: int = 0  # hybrid models: cached states to evict first (idle or over the SLO only)
 
     @property
     def action(self) -> str:
@@ -82,8 +90,10 @@ def plan_restore(s: RestoreState) -> RestorePlan:
     if not s.can_compact:
         return RestorePlan(0, 0, False, f"{why}, but running requests hold tail rows (or the pool is paged)")
     evict_tokens = max(s.used_tokens - s.keep_tokens, 0)
-    if evict_tokens > s.evictable_tokens:
+    evict_states = max(s.used_state_slots - s.keep_state_slots, 0)
+    if evict_tokens > s.evictable_tokens or evict_states > s.evictable_states:
         return RestorePlan(0, 0, False, f"{why}, but the smaller pool cannot hold what must stay")
-    if evict_tokens and not (s.idle or s.tpot_over_slo):
+    if (evict_tokens or evict_states) and not (s.idle or s.tpot_over_slo):
         return RestorePlan(0, 0, False, f"{why}, but a calm restore never evicts")
-    return RestorePlan(groups, evict_tokens, True, f"{why}: evict {evict_tokens}, compact")
+    states = f", {evict_states} states" if evict_states else ""
+    return RestorePlan(groups, evict_tokens, True, f"{why}: evict {evict_tokens}{states}, compact", evict_states)
