@@ -87,6 +87,7 @@ HYBRID_REFUSED = [
     (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
     (["--enable-linear-replayssm"], "--enable-linear-replayssm"),
     (["--enable-linear-replayssm-spec"], "--enable-linear-replayssm-spec"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
 ]
 
 

@@ -19,6 +19,8 @@ FEATURES = {
     "extra_buffer": "the extra_buffer state strategy (pass --mamba-radix-cache-strategy no_buffer)",
     "int8_checkpoints": "int8 state checkpoints (drop --enable-int8-mamba-checkpoint)",
     "replayssm": "ReplaySSM state rings (drop --enable-linear-replayssm and --enable-linear-replayssm-spec)",
+    "speculative": "speculative decoding's per-draft state, which VAMP's state pool growth does not lay out "
+                   "(drop --speculative-algorithm)",
 }
 
 
@@ -34,6 +36,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                  "--enable-linear-replayssm-spec"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--mamba-radix-cache-strategy", default=None)
+    parser.add_argument("--speculative-algorithm", default=None)
 
 
 def refused_by_flags(sg: argparse.Namespace) -> str | None:
@@ -43,6 +46,7 @@ def refused_by_flags(sg: argparse.Namespace) -> str | None:
         ("extra_buffer", (sg.mamba_radix_cache_strategy or "").startswith("extra_buffer")),
         ("int8_checkpoints", sg.enable_int8_mamba_checkpoint),
         ("replayssm", sg.enable_linear_replayssm or sg.enable_linear_replayssm_spec),
+        ("speculative", bool(sg.speculative_algorithm)),
     ]
     return next((message(feature) for feature, on in named if on), None)
 

@@ -36,9 +36,10 @@ class UnsupportedStatePoolError(RuntimeError):
 
 
 def check_state_pool(mamba_pool: Any) -> None:
+    """What the launcher cannot see in the flags is refused here, when the pool is built (before serving)."""
     cache = mamba_pool.mamba_cache
     problems = [
-        (hasattr(cache, "intermediate_ssm"), "speculative decoding's per-draft state"),
+        (hasattr(cache, "intermediate_ssm"), "speculative decoding's per-draft state (drop --speculative-algorithm)"),
         (getattr(mamba_pool, "_raw", None) is not None, "the envelope state layout"),
         (any(getattr(cache, f"replayssm_{n}", None) is not None for n in ("d", "k", "g")), "ReplaySSM rings"),
         (bool(mamba_pool._slot_siblings), "side states riding on the slots"),
