@@ -1,4 +1,5 @@
-"""`python -m eval.soak [--minutes M] [--tp 1 2] [--fault remap:0.2] [--out DIR] [--decision-log PATH]`: does VAMP stay up?
+"""`python -m eval.soak [--minutes M] [--tp 1 2] [--fault remap:0.2] [--out DIR] [--decision-log PATH]
+[--server-flags "..."]`: does VAMP stay up?
 
 For each TP size, one server through our launcher (VAMP-20, a pool far below the sessions'
 prefixes, `VAMP_SGLANG_FAULT` as given) gets M minutes of the closed-loop multi-turn workload from
@@ -14,6 +15,9 @@ Then the load stops and the server idles until the experts are back. Printed and
 - RSS of the server's processes after warm-up and at the end; goal: growth under 5%;
 - the page backend's live counts (reservations, mappings, handles) at start and after the final
   restore; goal: equal (no page leaked).
+
+`--server-flags` adds SGLang flags, e.g. `--model models/tiny-qwen3-next --server-flags
+"--max-mamba-cache-size 6"` soaks a hybrid model whose state pool, not its KV pool, runs short.
 """
 
 from __future__ import annotations
@@ -113,8 +117,10 @@ def _live_pages(stats: dict) -> dict:
     return stats["experts"]["live_pages"]
 
 
-def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str, decision_log: str | None = None) -> dict:
-    setup = ServerSetup(str(ensure_tiny_model(model)), max_total_tokens=POOL_TOKENS, tp_size=tp, log_dir=log_dir)
+def soak(model: str, tp: int, minutes: float, fault: str, log_dir: str, decision_log: str | None = None,
+         server_flags: tuple[str, ...] = ()) -> dict:
+    setup = ServerSetup(str(ensure_tiny_model(model)), max_total_tokens=POOL_TOKENS, tp_size=tp, log_dir=log_dir,
+                        extra_flags=server_flags)
     flags = ("--vamp-max-offload-ratio", "0.2", "--vamp-restore-after-steps", "400")
     if decision_log:
         flags += ("--vamp-decision-log", f"{decision_log}.tp{tp}")
@@ -200,10 +206,12 @@ def main() -> None:
     parser.add_argument("--fault", default="remap:0.2", help="VAMP_SGLANG_FAULT for the server")
     parser.add_argument("--out", default="results/soak")
     parser.add_argument("--decision-log", help="the server's --vamp-decision-log, as PATH.tp<N> (rank r>0: .rank<r>)")
+    parser.add_argument("--server-flags", default="", help="extra SGLang flags, space-separated")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [soak(args.model, tp, args.minutes, args.fault, str(out / "logs"), args.decision_log) for tp in args.tp]
+    results = [soak(args.model, tp, args.minutes, args.fault, str(out / "logs"), args.decision_log,
+                    tuple(args.server_flags.split())) for tp in args.tp]
     (out / "soak.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "soak.png")
     ok = True

@@ -27,6 +27,7 @@ import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
 from tests.test_qwen3_next_vamp_server import GREEDY, NEW_TOKENS, _session
+from tests.test_server_decisions import _metric
 from vamp_sglang.tiny_moe import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
@@ -48,6 +49,7 @@ def run(tmp_path_factory):
         with cf.ThreadPoolExecutor(SESSIONS) as pool:
             sessions = list(pool.map(lambda s: _session(server.url, s), range(SESSIONS)))
         after = get_json(f"{server.url}/vamp/stats")
+        slots_metric = _metric(server.url, "vamp:state_pool_slots", 0)
         deadline, restored = time.monotonic() + IDLE_WAIT_S, after
         while restored["experts"]["offloaded_groups"] and time.monotonic() < deadline:
             time.sleep(2)
@@ -56,7 +58,7 @@ def run(tmp_path_factory):
         again = [post_json(f"{server.url}/generate", {"input_ids": s["context"], "sampling_params": GREEDY})
                  for s in sessions]
         return {"model": model, "sessions": sessions, "before": before, "log": logs / "decisions.jsonl",
-                "after": after, "restored": restored, "again": again}
+                "after": after, "slots_metric": slots_metric, "restored": restored, "again": again}
 
 
 def test_state_shortfalls_grew_the_state_pool_from_experts(run):
@@ -67,6 +69,7 @@ def test_state_shortfalls_grew_the_state_pool_from_experts(run):
     assert after["groups"] == run["after"]["experts"]["offloaded_groups"] > 0
     assert run["after"]["kv_pool"]["tokens"] == POOL_TOKENS and run["after"]["kv_pool"]["groups"] == 0
     assert after["decision_errors"] == 0 and after["grows_from_experts"] is True
+    assert run["slots_metric"] == after["slots"]  # the vamp:state_pool_slots series says the same
 
 
 def test_eviction_until_reuse_is_seen_then_offload_and_no_shortfall_after(run):

@@ -154,6 +154,8 @@ class StatePool:
 
     def _offload(self, maker: Any, groups: int) -> int:
         """Offload `groups` into the state pool on every rank or on none (the rounds a KV offload runs)."""
+        from vamp_sglang.integration import decisions
+
         memory = maker.memory
         groups = maker.rounds.agree(groups)
         if groups == 0:
@@ -164,6 +166,9 @@ class StatePool:
             self.slots_added += added
             maker.refresh_view()
             self.runtime.publish_metrics()
+        else:  # as after a failed KV offload: no headroom offered for a while (agreed, so replicated)
+            maker.counts["offload_failures"] += 1
+            maker.offload_blocked_until_step = self.runtime.step + decisions.OFFLOAD_RETRY_STEPS
         return added
 
     def _cached_states(self) -> int:

@@ -38,6 +38,12 @@ GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vamp:restore_failures_total", "Restore attempts that did not happen", ("failures", "restore")),
     ("vamp:admission_refusals_total", "Admissions that waited because the offload they needed failed",
      ("failures", "admission_refusals")),
+    # hybrid models only (absent elsewhere): the linear-attention state pool
+    ("vamp:state_pool_slots", "State pool size in slots, grown by offloading experts", ("state_pool", "slots")),
+    ("vamp:state_pool_baseline_slots", "State pool size at start-up", ("state_pool", "baseline_slots")),
+    ("vamp:state_pool_free_slots", "Free state slots", ("state_pool", "free_slots")),
+    ("vamp:state_shortfalls_total", "State-slot shortfalls (decided by VAMP when it is on)", ("state_pool", "shortfalls")),
+    ("vamp:states_evicted_total", "Cached states SGLang dropped at state shortfalls", ("state_pool", "states_evicted")),
 ]
 
 
