@@ -167,11 +167,6 @@ class DecisionMaker:
 
         from vamp_sglang.integration import radix
 
-        scheduler = self.runtime.scheduler
-        # w of Eq. 3: the smallest remaining decode budget among the RUNNING requests (section V);
-        # with nothing running yet, the batch being admitted is what will decode next.
-        running = list(scheduler.running_batch.reqs) or (list(batch.reqs) if batch is not None else [])
-        budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in running]
         victims = self._preempt_candidates(list(batch.reqs), int(tree_cache.token_to_kv_pool_allocator.page_size)) \
             if site == "decode" and batch is not None else []
         buffer_tokens = int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
@@ -183,20 +178,25 @@ class DecisionMaker:
             gap_tokens=gap_tokens,
             free_tokens=free_tokens,
             evictable=tuple(evictable),
-            offload=OffloadState(
-                headroom_groups=view.headroom_groups,
-                tokens_by_groups=view.tokens_by_groups,
-                shards_per_group=self.memory.layout.group_experts if view.headroom_groups else 0,
-                local_experts=self.memory.layout.local_experts,
-                top_k=self.top_k,
-                decode_budget_min=max(1, min(budgets, default=1)),
-            ),
+            offload=self.offload_state(view.tokens_by_groups, batch),
             preempt=tuple(victims),
             retract_buffer_tokens=buffer_tokens,
             observed_hit_rate=self.runtime.ledger.hit_rate,
             coefficients=coeffs.as_overrides(),
             tpot_guard_groups=self.guard_cap_groups(),
         )
+
+    def offload_state(self, gains_by_groups: tuple[int, ...], batch: Any) -> OffloadState:
+        """The planner's offload input: `gains_by_groups[n - 1]` is what n more groups add (KV tokens, or
+        state slots at a state shortfall), rank-agreed; the rest is Eq. 3's geometry and w."""
+        # w of Eq. 3: the smallest remaining decode budget among the RUNNING requests (section V);
+        # with nothing running yet, the batch being admitted is what will decode next.
+        running = list(self.runtime.scheduler.running_batch.reqs) or (list(batch.reqs) if batch is not None else [])
+        budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in running]
+        return OffloadState(headroom_groups=len(gains_by_groups), tokens_by_groups=gains_by_groups,
+                            shards_per_group=self.memory.layout.group_experts if gains_by_groups else 0,
+                            local_experts=self.memory.layout.local_experts, top_k=self.top_k,
+                            decode_budget_min=max(1, min(budgets, default=1)))
 
     @staticmethod
     def _preempt_candidates(running: list[Any], page_size: int) -> list[PreemptCandidate]:
@@ -272,8 +272,9 @@ class DecisionMaker:
             logger.exception("vamp: decision failed (%s); SGLang's own eviction covers this shortfall. "
                              "snapshot=%s", kind, None if snapshot is None else snapshot.to_json())
 
-    def offload(self, groups: int) -> int:
-        """Offload `groups` per eligible layer on every rank, or on none. Returns tokens added.
+    def offload(self, groups: int, to_state: bool = False) -> int:
+        """Offload `groups` per eligible layer on every rank, or on none, into the KV pool (or, `to_state`,
+        a hybrid model's state pool). Returns the tokens (or state slots) added.
 
         On several ranks the groups are agreed first, in a round every shortfall runs whatever its
         plan (a rank that planned no offload, or failed to plan, proposes 0), so ranks that somehow
@@ -281,13 +282,15 @@ class DecisionMaker:
         groups = self.rounds.agree(groups)
         if groups == 0:
             return 0
+        memory = self.memory
+        gain, grow, undo = ((memory.slots_for, memory.offload_state, memory.undo_state_offload) if to_state
+                            else (memory.tokens_for, memory.offload, memory.restore))
         try:
-            proposal = self.memory.tokens_for(groups)
+            proposal = gain(groups)
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self._decision_error(e, None)
             proposal = 0
-        added = self.rounds.remap(proposal, lambda tokens: self.memory.offload(groups, tokens),
-                                   lambda: self.memory.restore(groups))
+        added = self.rounds.remap(proposal, lambda amount: grow(groups, amount), lambda: undo(groups))
         if added:
             self.refresh_view()
         else:  # agreed on every rank (the vote), so the back-off is replicated

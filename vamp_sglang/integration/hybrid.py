@@ -39,7 +39,7 @@ from typing import Any
 
 from vamp_sglang import hybrid_refusals
 from vamp_sglang.integration.hooks import Hook
-from vamp_sglang.policy import OffloadState, Snapshot, plan
+from vamp_sglang.policy import Snapshot, plan
 
 logger = logging.getLogger(__name__)
 _deciding: contextvars.ContextVar[bool] = contextvars.ContextVar("vamp_state_deciding", default=False)
@@ -121,18 +121,19 @@ class StatePool:
                 snapshot = Snapshot(
                     site="prefill", gap_tokens=gap, free_tokens=free,
                     evictable=tuple(radix.state_eviction_candidates(self.tree_cache, gap)),
-                    offload=OffloadState(headroom_groups=len(view), tokens_by_groups=view,
-                                         shards_per_group=memory.layout.group_experts if view else 0,
-                                         local_experts=memory.layout.local_experts, top_k=maker.top_k,
-                                         decode_budget_min=_decode_budget_min(self.runtime.scheduler)),
-                    preempt=(), retract_buffer_tokens=0, observed_hit_rate=self.runtime.ledger.hit_rate,
+                    offload=maker.offload_state(view, None), preempt=(), retract_buffer_tokens=0, observed_hit_rate=self.runtime.ledger.hit_rate,
                     coefficients=maker.coefficients().as_overrides(), tpot_guard_groups=maker.guard_cap_groups())
                 chosen = plan(snapshot, maker.base_coefficients, maker.config.policy)
             except Exception:  # a decision error must never reach SGLang's cache
                 self.errors += 1
                 logger.exception("vamp: state-shortfall decision failed; SGLang's own eviction covers it")
             groups = chosen.groups if chosen is not None and chosen.action != "evict" else 0
-            added = self._offload(maker, groups)
+            added = maker.offload(groups, to_state=True)
+            if groups and not added:  # counted as a failed KV offload is
+                maker.counts["offload_failures"] += 1
+            if added:
+                self.slots_added += added
+                self.runtime.publish_metrics()
             if chosen is not None:
                 self.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
                 maker.log.record(step=self.runtime.step, site="state", policy=maker.config.policy,
@@ -151,25 +152,6 @@ class StatePool:
         if not maker.rounds.all_equal(zlib.crc32(repr(local).encode()) & 0x7FFFFFFF):
             return ()
         return local
-
-    def _offload(self, maker: Any, groups: int) -> int:
-        """Offload `groups` into the state pool on every rank or on none (the rounds a KV offload runs)."""
-        from vamp_sglang.integration import decisions
-
-        memory = maker.memory
-        groups = maker.rounds.agree(groups)
-        if groups == 0:
-            return 0
-        added = maker.rounds.remap(memory.slots_for(groups), lambda slots: memory.offload_state(groups, slots),
-                                   lambda: memory.undo_state_offload(groups))
-        if added:
-            self.slots_added += added
-            maker.refresh_view()
-            self.runtime.publish_metrics()
-        else:  # as after a failed KV offload: no headroom offered for a while (agreed, so replicated)
-            maker.counts["offload_failures"] += 1
-            maker.offload_blocked_until_step = self.runtime.step + decisions.OFFLOAD_RETRY_STEPS
-        return added
 
     def _cached_states(self) -> int:
         # The cache's public sizes: the Rust tree core (stock, ratio 0) has no component_*_size_ dicts.
@@ -196,12 +178,6 @@ class StatePool:
 
 
 _state_pool: StatePool | None = None
-
-
-def _decode_budget_min(scheduler: Any) -> int:
-    """w of Eq. 3: the smallest remaining decode budget among the running requests."""
-    budgets = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in scheduler.running_batch.reqs]
-    return max(1, min(budgets, default=1))
 
 
 def _around_evict_for_alloc(original: Any, cache: Any, params: Any, **kwargs: Any) -> Any:

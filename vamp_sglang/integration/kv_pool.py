@@ -142,11 +142,16 @@ def _units(allocator: Any, tokens: int) -> int:
 
 def free_tail_start(allocator: Any) -> int:
     """Smallest size s such that every id above s is free (the pool could shrink to s now)."""
-    free = torch.sort(allocator.get_all_free_pages().cpu(), descending=True).values
-    top = _units(allocator, allocator.size)
+    return free_ids_tail_start(allocator.get_all_free_pages(), _units(allocator, allocator.size)) * allocator.page_size
+
+
+def free_ids_tail_start(free_ids: torch.Tensor, top: int) -> int:
+    """Smallest n such that every id in (n, top] is in `free_ids` (ids 1..top, each free at most once);
+    the KV allocator's pages and the state pool's slots alike."""
+    free = torch.sort(free_ids.cpu(), descending=True).values
     mismatch = (free != top - torch.arange(len(free))).nonzero()
     run = int(mismatch[0]) if len(mismatch) else len(free)  # ids top, top-1, ... all free
-    return (top - run) * allocator.page_size
+    return top - run
 
 
 def grow_allocator(allocator: Any, new_tokens: int) -> None:

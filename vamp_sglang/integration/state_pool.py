@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from vamp_sglang.integration.kv_pool import free_ids_tail_start
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import KVShrinkError
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind, pages_for, rows_for_pages
 
-SIZE_COPIES = ("MambaPool.size", "MambaSlotAllocator.size")
 _CACHED = ("_conv_fuse_ok", "_conv_slot_desc")  # MambaPool cached_properties over the old tensors
 
 
@@ -71,11 +71,7 @@ class GrowableStatePool:
 
     def free_tail_start(self) -> int:
         """Smallest slot count s such that every id above s is free (the pool could shrink to s now)."""
-        free = set(self.allocator.free_slots.tolist())
-        top = self.slots
-        while top > 0 and top in free:
-            top -= 1
-        return top
+        return free_ids_tail_start(self.allocator.free_slots, self.slots)
 
     def resize(self, new_slots: int) -> None:
         """SGLang's pool becomes `new_slots` slots, over rows the buffers map already; a shrink is
@@ -102,8 +98,8 @@ class GrowableStatePool:
         """Whether `compact(keep_slots)` can free every id above keep_slots: each used one is a cached
         state of an unlocked tree node, and enough free ids lie below."""
         moves = self._tail_states(tree_cache, keep_slots)
-        used_above = self.slots - keep_slots - sum(1 for s in self.allocator.free_slots.tolist() if s > keep_slots)
-        free_below = sum(1 for s in self.allocator.free_slots.tolist() if s <= keep_slots)
+        free_below = int((self.allocator.free_slots <= keep_slots).sum())
+        used_above = self.slots - keep_slots - (len(self.allocator.free_slots) - free_below)
         return moves is not None and len(moves) == used_above and free_below >= len(moves)
 
     def compact(self, tree_cache: Any, keep_slots: int) -> int:

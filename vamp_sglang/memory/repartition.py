@@ -130,11 +130,6 @@ class Repartitioner:
         """Rows offloading `n_groups` more to the KV pool would add to each buffer (read-only)."""
         return self.rows_at(self.kv_groups + n_groups) - self.rows_at(self.kv_groups)
 
-    def rows_lost(self, n_groups: int) -> int:
-        """KV rows restoring `n_groups` would remove from each buffer (read-only; the KV pool's
-        groups come back first)."""
-        return self.rows_at(self.kv_groups) - self.rows_at(self.kv_groups - min(n_groups, self.kv_groups))
-
     def offload(self, n_groups: int, pool_tokens: int | None = None, to_state: bool = False) -> int:
         """Transaction: n groups of every eligible layer to the KV tails (or, `to_state`, to every
         state layer's tail); returns the rows (or state slots) added. `pool_tokens` is the KV pool size
