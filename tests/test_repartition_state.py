@@ -32,9 +32,12 @@ class StateSize:
 
     def __init__(self, rows, log):
         self.rows, self.used_rows, self.refuse, self.log = rows, 1, False, log
+        self.faulty = False  # every publish but a rollback fails, as under VAMP_SGLANG_FAULT=remap:1
 
-    def resize(self, old_rows, new_rows):
+    def resize(self, old_rows, new_rows, rollback=False):
         assert old_rows == self.rows
+        if self.faulty and not rollback:
+            raise InjectedFault("an injected remap fault")
         if self.refuse or new_rows < self.used_rows:
             self.log.append("state refused")
             raise InjectedFault("state slots in use past the new size")
@@ -144,4 +147,28 @@ def test_undoing_a_state_offload_takes_the_state_pools_groups_back_first(system)
     before = snapshot(real, stores, kv, state, pool, states, rp)
     rp.offload(1, to_state=True)
     assert rp.restore(1, state_first=True) == 0  # no KV row dropped: the state group came back
+    assert snapshot(real, stores, kv, state, pool, states, rp) == before
+
+
+def test_a_restore_failing_after_its_state_publish_rolls_back_without_a_fault_in_the_rollback(system):
+    """The state pool's size is published before its pages go (so a slot in use refuses first); when a later
+    step fails, undoing that publish is a rollback, which a fault injector must never make fail too."""
+    real, _backend, _weights, stores, kv, state, pool, states, rp, _engine = system
+    rp.offload(1, to_state=True)
+    rp.offload(1)
+    before = snapshot(real, stores, kv, state, pool, states, rp)
+    pool.refuse = True  # the KV publish, the restore's last step, fails
+    published = []
+    publish = states.resize
+
+    def publish_once_then_fault(old_rows, new_rows, rollback=False):
+        publish(old_rows, new_rows, rollback)
+        published.append(rollback)
+        states.faulty = True  # from now on only a rollback may pass
+
+    states.resize = publish_once_then_fault
+    rp._on_state_resize = states.resize
+    with pytest.raises(InjectedFault, match="refused the new pool size"):
+        rp.restore(2)  # 1 KV group, then 1 state group
+    assert published == [False, True]
     assert snapshot(real, stores, kv, state, pool, states, rp) == before

@@ -235,10 +235,12 @@ class ExpertMemory:
             kv_pool.grow_allocator(self.allocator, new)
         self.size_snapshots = self._publish()
 
-    def _on_state_resize(self, old_rows: int, new_rows: int) -> None:
+    def _on_state_resize(self, old_rows: int, new_rows: int, rollback: bool) -> None:
         """A state remap's publish step: SGLang's state pool takes the offload's agreed size, or on a
-        restore (and a rollback) the size the mapped rows allow (raising here rolls the remap back)."""
-        self.faults.check("remap", "the state pool resize of a remap transaction")
+        restore (and a rollback) the size the mapped rows allow (raising here rolls the remap back;
+        a rollback itself is never fault-injected)."""
+        if not rollback:
+            self.faults.check("remap", "the state pool resize of a remap transaction")
         target = self._state_target if self._state_target is not None and new_rows > old_rows else new_rows - 1
         self.states.resize(min(target, new_rows - 1))
 

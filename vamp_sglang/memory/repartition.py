@@ -64,13 +64,15 @@ class Repartitioner:
     def __init__(self, layout: ExpertLayout, expert_stores: Sequence[ExpertStore], kv_buffers: GrowableKVBuffers,
                  on_pool_resize: Callable[[int, int, int | None], None], *, tail_is_free: Callable[[int, int], bool],
                  staging: StagingEngine | None = None, state: GrowableStateBuffers | None = None,
-                 on_state_resize: Callable[[int, int], None] | None = None) -> None:
+                 on_state_resize: Callable[[int, int, bool], None] | None = None) -> None:
         """`on_pool_resize(old_rows, new_rows, pool_tokens)` publishes the new pool size (`pool_tokens`,
         as the caller passed it to offload/restore: allocator free list and every copy of the size);
         it is the last step of a transaction, and raising from it aborts the remap.
         `tail_is_free(first_row, end_row)` confirms rows a restore would drop hold no live tokens.
-        `on_state_resize(old_rows, new_rows)` does the same for the state pool (hybrid models); it must
-        refuse a shrink over slots in use."""
+        `on_state_resize(old_rows, new_rows, rollback)` does the same for the state pool (hybrid models);
+        it must refuse a shrink over slots in use. A restore publishes it before unmapping (so a slot in use
+        refuses before any page moves); `rollback` True is the undo of that publish when a later step
+        failed, which must not fail on purpose (no fault injection)."""
         layer_ids = tuple(s.layer_id for s in expert_stores)
         if layer_ids != layout.eligible_layer_ids:
             raise LayoutError(f"expert_stores cover layers {layer_ids}, expected the eligible layers "
@@ -150,7 +152,7 @@ class Repartitioner:
                 take = self.state.pages_for(new_state_rows) - self.state.pages_for(state_rows)
                 self._set_state(old + n_groups, pool[take:], j, old_state + n_groups)
                 self.state.grow_to(new_state_rows, pool[:take], j)
-                self._on_state_resize(state_rows, new_state_rows)
+                self._on_state_resize(state_rows, new_state_rows, False)
             else:
                 kv = old - old_state
                 take = (self._kv_extra_pages(kv + n_groups) - self._kv_extra_pages(kv)) * self.kv.n_buffers
@@ -179,8 +181,8 @@ class Repartitioner:
             pool = self._spare + self.kv.shrink(drop, self._tail_is_free, j)
             if from_state:
                 state_rows, new_state_rows = self.state.rows, self.state_rows_at(old_state - from_state)
-                self._on_state_resize(state_rows, new_state_rows)  # refuses slots in use, before any unmap
-                j.record(lambda: self._on_state_resize(new_state_rows, state_rows))
+                self._on_state_resize(state_rows, new_state_rows, False)  # refuses slots in use, before any unmap
+                j.record(lambda: self._on_state_resize(new_state_rows, state_rows, True))
                 pool += self.state.shrink_to(new_state_rows, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
