@@ -222,12 +222,11 @@ def test_state_candidates_follow_sglangs_state_eviction(tree):
 
 def laid_out_cache(backend):
     """The fixture's tree, with its state tensors laid over growable host pages before any state exists."""
-    from vamp_sglang.integration.state_pool import GrowableStatePool
+    from vamp_sglang.integration.state_pool import GrowableStatePool, state_tensors
     from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 
     cache, alloc, reqs = build_hybrid_cache()
-    mamba = reqs.mamba_pool.mamba_cache
-    kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in [*mamba.conv, mamba.temporal]]
+    kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in state_tensors(reqs.mamba_pool)]
     pool = GrowableStatePool(reqs, GrowableStateBuffers(backend, kinds, 3, STATE_SLOTS + 1, 64))
     return cache, alloc, reqs, pool
 

@@ -43,12 +43,18 @@ def check_state_pool(mamba_pool: Any) -> None:
         (getattr(mamba_pool, "_raw", None) is not None, "the envelope state layout"),
         (any(getattr(cache, f"replayssm_{n}", None) is not None for n in ("d", "k", "g")), "ReplaySSM rings"),
         (bool(mamba_pool._slot_siblings), "side states riding on the slots"),
-        (any(not t.is_contiguous() for t in [*cache.conv, cache.temporal]), "a non-contiguous state layout"),
+        (any(not t.is_contiguous() for t in state_tensors(mamba_pool)), "a non-contiguous state layout"),
     ]
     for bad, what in problems:
         if bad:
             raise UnsupportedStatePoolError(f"VAMP cannot grow this linear-attention state pool: {what}; "
                                             f"run with --vamp-max-offload-ratio 0")
+
+
+def state_tensors(mamba_pool: Any) -> list[torch.Tensor]:
+    """The pool's `[layers, slots + 1, ...]` state tensors in GrowableStateBuffers' kind order."""
+    cache = mamba_pool.mamba_cache
+    return [*cache.conv, cache.temporal]
 
 
 class GrowableStatePool:
@@ -59,7 +65,7 @@ class GrowableStatePool:
         self.mamba_pool, self.allocator = req_to_token_pool.mamba_pool, req_to_token_pool.mamba_allocator
         self.buffers = buffers
         self.baseline_slots = int(self.mamba_pool.size)
-        for k, tensor in enumerate(self._sglang_tensors()):
+        for k, tensor in enumerate(state_tensors(self.mamba_pool)):
             buffers.view_into(tensor, k, self.baseline_slots + 1)
             tensor.zero_()
         for name in _CACHED:  # they were built over the tensors SGLang allocated
@@ -82,7 +88,7 @@ class GrowableStatePool:
         if new_slots < old and self.free_tail_start() > new_slots:
             raise KVShrinkError(f"state slots above {new_slots} are not all free "
                                 f"(free tail starts at {self.free_tail_start()})")
-        for k, tensor in enumerate(self._sglang_tensors()):
+        for k, tensor in enumerate(state_tensors(self.mamba_pool)):
             self.buffers.view_into(tensor, k, new_slots + 1)
             if new_slots > old:
                 tensor[:, old + 1:].zero_()  # the pages held expert bytes a moment ago
@@ -114,17 +120,11 @@ class GrowableStatePool:
         self.mamba_pool.copy_from(src, low)
         for (data, _), dst in zip(moves, low.split(1)):
             data.value = dst.to(data.value.device, data.value.dtype)
-        taken = set(low.tolist())
-        kept = torch.tensor([s for s in free.tolist() if s not in taken], dtype=free.dtype, device=free.device)
-        self.allocator.free_slots = torch.cat((kept, src.to(free.dtype)))
+        self.allocator.free_slots = torch.cat((free[~torch.isin(free, low)], src.to(free.dtype)))
         return len(moves)
 
     def stats(self) -> dict[str, int]:
         return {"baseline_slots": self.baseline_slots, "buffer_rows": self.buffers.rows}
-
-    def _sglang_tensors(self) -> list[torch.Tensor]:
-        cache = self.mamba_pool.mamba_cache
-        return [*cache.conv, cache.temporal]
 
     def _tail_states(self, tree_cache: Any, keep_slots: int) -> list[tuple[Any, torch.Tensor]] | None:
         """(component data, slot tensor) of every cached state above keep_slots; None if one of them
@@ -149,10 +149,8 @@ def lay_state_pool_over_growable(req_to_token_pool: Any, backend: PageBackend,
     """Re-point SGLang's state tensors at reservations that can hold the whole offload bound's pages."""
     mamba_pool = req_to_token_pool.mamba_pool
     check_state_pool(mamba_pool)
-    cache = mamba_pool.mamba_cache
-    tensors = [*cache.conv, cache.temporal]
-    kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in tensors]
-    layers, rows = int(cache.temporal.shape[0]), int(mamba_pool.size) + 1
+    kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in state_tensors(mamba_pool)]
+    layers, rows = int(mamba_pool.mamba_cache.temporal.shape[0]), int(mamba_pool.size) + 1
     gran = backend.granularity_bytes
     budget = pages_for(kinds, layers, gran, rows) + layout.bound_groups * layout.pages_freed_per_group
     most = rows + budget * gran // min(k.slot_bytes for k in kinds)  # a cap rows_for_pages never reaches
