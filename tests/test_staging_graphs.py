@@ -162,8 +162,10 @@ def test_split_waits_run_the_gate_up_gemm_while_w2_is_copying_in_a_replayed_grap
             def gemm(b, kernel, lid=lid):
                 def launch():
                     out = kernel()
-                    if kernel.__name__ == "gate_up" and lid in experts.layers:
-                        # the held w2 copy may complete 0.2 s later: an unwaited down GEMM reads NaN
+                    if paged and kernel.__name__ == "gate_up" and lid in experts.layers:
+                        # the held w2 copy may complete 0.2 s later: an unwaited down GEMM reads NaN.
+                        # Only the replayed (paged) forward opens the gate: a timer left by the
+                        # reference forward could open it early and hide a w2 break that waits for nothing
                         threading.Timer(0.2, gate.set).start()
                     return out
                 return moe_staging.invoke_fused_moe_kernel_staged(experts, lambda _a, _b: m.capture.launch(launch),
