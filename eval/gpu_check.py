@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from eval.gpu_sections import prefill_stream_timing
 from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend, select_backend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout
@@ -673,6 +674,7 @@ SECTIONS: dict[str, tuple[bool, Callable[[PageBackend, bool], dict]]] = {  # nam
     "overlap": (False, measure_overlap),
     "routed": (False, check_routed),
     "state": (False, check_state),
+    "prefill_stream": (True, prefill_stream_timing.check),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
-SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state"]
+SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state", "prefill_stream"]
 
 
 def run(*args, tmp_path):
