@@ -36,7 +36,7 @@ from typing import Self
 import torch
 import torch.nn.functional as F
 
-from vamp_sglang.memory.backend import select_backend
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.geometry import geometry_from_config
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes

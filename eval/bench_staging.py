@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from eval.bench_memory import Contention
 from vamp_sglang.integration.moe_staging import ModelExperts, run_moe_core_staged
-from vamp_sglang.memory.backend import select_backend
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
 from vamp_sglang.tiny_moe import TinyMoeSpec

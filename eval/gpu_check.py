@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from eval.gpu_sections import prefill_stream_timing
-from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend, select_backend
+from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.region import PagedRegion, bytes_checksum

@@ -25,8 +25,9 @@ from vamp_sglang.config import VampConfig
 from vamp_sglang.controller import RankController
 from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS, RankRounds
 from vamp_sglang.faults import Faults
-from vamp_sglang.integration import decisions, radix
+from vamp_sglang.integration import decision_hooks, plan_inputs, radix, restore_trigger, step_measurements
 from vamp_sglang.integration.runtime import VampRuntime
+from vamp_sglang.integration.shortfall import DecisionMaker
 
 EVICT = BaseTokenToKVPoolAllocator.evict_to_free_tokens  # SGLang's own (no hooks in this process)
 
@@ -66,10 +67,10 @@ def maker(vamp, monkeypatch):  # noqa: F811
     radix.tree_core_of(tree).vamp_ledger = runtime.ledger
     runtime.vamp_tree = tree
     runtime.expert_memory = memory
-    monkeypatch.setattr(decisions, "current", lambda: runtime)
+    monkeypatch.setattr(decision_hooks, "current", lambda: runtime)
 
     def make(fault_spec=None):
-        runtime.decision_maker = decisions.DecisionMaker(runtime, memory, RankController(0, 1, None), 2,
+        runtime.decision_maker = DecisionMaker(runtime, memory, RankController(0, 1, None), 2,
                                                          Faults.parse(fault_spec, seed=0))
         memory.faults = runtime.decision_maker.faults
         return runtime.decision_maker
@@ -100,7 +101,7 @@ def test_an_error_in_the_decision_code_falls_back_to_sglangs_eviction(maker, mon
     monkeypatch.setattr(radix, "eviction_candidates", broken)
     for _ in range(2):
         need = maker.alloc.available_size() + 25
-        dm.on_shortfall(EVICT, maker.alloc, maker.tree, need)
+        dm.on_shortfall(EVICT, maker.alloc, maker.tree, need, "prefill", None)
         assert maker.alloc.available_size() >= need  # SGLang's own eviction covered the shortfall
     assert dm.counts["errors"] == 2 and dm.stats()["decision_errors"] == 2
     assert maker.memory.offloaded_groups == 0
@@ -108,7 +109,7 @@ def test_an_error_in_the_decision_code_falls_back_to_sglangs_eviction(maker, mon
 
 def _check_prefill(maker, total_tokens):
     budget = PrefillBudget(maker.alloc, maker.tree)
-    return decisions._around_check_prefill(
+    return decision_hooks._around_check_prefill(
         PrefillBudget.check_prefill, budget, extend_input_len=total_tokens, total_tokens=total_tokens,
         max_new_tokens=0, input_tokens=total_tokens, swa_host_hit_length=0, chunk_limit=None)
 
@@ -128,7 +129,7 @@ def test_admission_never_promises_headroom_a_failed_offload_cannot_deliver(maker
     assert dm.faults.fired["remap"] == 1
     assert dm.admission_headroom_tokens() == 0  # backs off: no headroom offered for a while
     assert _check_prefill(maker, free_and_evictable - 1)[0]  # what really fits is still admitted
-    maker.scheduler.forward_ct += decisions.OFFLOAD_RETRY_STEPS
+    maker.scheduler.forward_ct += plan_inputs.OFFLOAD_RETRY_STEPS
     assert dm.admission_headroom_tokens() == headroom
 
 
@@ -149,11 +150,11 @@ def test_running_batch_sets_w_and_victims_are_priced_as_retraction_frees_them(ma
     dm = maker.make()
     maker.scheduler.running_batch.reqs = [request(5), request(40)]
     admitted = SimpleNamespace(reqs=[request(100)])
-    snap = dm.snapshot(10, "prefill", admitted, maker.tree, dm.coefficients(), free_tokens=0)
+    snap = dm.snapshot(10, "prefill", admitted, maker.tree, dm.inputs.coefficients(), free_tokens=0)
     assert snap.offload.decode_budget_min == 5
     running = SimpleNamespace(reqs=[request(5, output=3, prompt=50, protected=40),
                                     request(9, output=8, prompt=30, protected=30)])
-    snap = dm.snapshot(4, "decode", running, maker.tree, dm.coefficients(), free_tokens=2)
+    snap = dm.snapshot(4, "decode", running, maker.tree, dm.inputs.coefficients(), free_tokens=2)
     # SGLang keeps the request with the most output (8) and retracts the other first
     assert [(v.tokens, v.partial_tokens, v.decode_tokens) for v in snap.preempt] == [(13, 13, 1)]
     assert snap.retract_buffer_tokens == 20 and snap.free_tokens == 2
@@ -165,15 +166,11 @@ def test_paged_decode_plans_only_for_the_pages_it_needs(vamp):  # noqa: F811
     tree, scheduler = tree_and_scheduler(alloc, page_size=16)
     runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5), 0, False)
     runtime.expert_memory = memory
-    dm = decisions.DecisionMaker(runtime, memory, RankController(0, 1, None), 2)
+    dm = DecisionMaker(runtime, memory, RankController(0, 1, None), 2)
     held = alloc.alloc(alloc.available_size() - 32)
     assert held is not None and alloc.available_size() == 32
     batch = SimpleNamespace(reqs=[request(9)] * 4, new_tokens_required_next_decode=lambda: 16)
-    token = decisions._site.set(("decode", batch))
-    try:
-        dm.on_shortfall(EVICT, alloc, tree, 4 * 16)  # 64 asked, 16 needed, 32 free
-    finally:
-        decisions._site.reset(token)
+    dm.on_shortfall(EVICT, alloc, tree, 4 * 16, "decode", batch)  # 64 asked, 16 needed, 32 free
     assert dm.log.recent() == [] and memory.offloaded_groups == 0
     tree.reset()
 
@@ -183,15 +180,15 @@ def test_idle_restore_counts_wall_clock_not_polls_and_never_evicts_for_nothing(m
     restored (evicting cached prefixes) within milliseconds of every think-time gap."""
     dm = maker.make()
     maker.memory.offload(2, maker.memory.tokens_for(2))
-    dm.refresh_view()
+    dm.inputs.refresh_view()
     cache_prompts(maker, 6, 40)  # cached prefixes reach into the tail a restore would drop
     cached = maker.tree.evictable_size()
     for _ in range(5000):  # a spinning scheduler: 5,000 idle polls within a fraction of a second
-        dm.maybe_restore(idle=True)
+        dm.restorer.maybe_restore(idle=True)
     assert maker.memory.offloaded_groups == 2 and maker.tree.evictable_size() == cached
     clock = [time.monotonic() + 11.0]
-    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
-    dm.maybe_restore(idle=True)
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    dm.restorer.maybe_restore(idle=True)
     assert maker.memory.offloaded_groups < 2  # 11 s of wall-clock idleness: experts come back
     assert dm.log.recent()[-1]["site"] == "restore"
 
@@ -205,9 +202,9 @@ def test_idle_polls_count_towards_the_back_off_after_a_missed_round(maker):
     dm.rounds.blocked_until_step = dm.rounds.step_fn() + ROUND_BACKOFF_STEPS  # no round is held here
     step = dm.runtime.step
     for _ in range(ROUND_BACKOFF_STEPS - 1):
-        dm.maybe_restore(idle=True)
+        dm.restorer.maybe_restore(idle=True)
     assert dm.rounds.blocked
-    dm.maybe_restore(idle=True)
+    dm.restorer.maybe_restore(idle=True)
     assert not dm.rounds.blocked and dm.runtime.step == step
 
 
@@ -236,16 +233,16 @@ def test_an_idle_check_after_a_missed_round_does_not_wait_out_the_back_off(maker
     holds its round during the back-off, and a round every rank answered ends the back-off."""
     dm = maker.make()
     maker.memory.offload(1, maker.memory.tokens_for(1))
-    dm.refresh_view()
+    dm.inputs.refresh_view()
     missed = dm.rounds.round_id + 1
     dm.controller = dm.rounds.controller = PeerAlike(lambda round_id: round_id == missed)
     clock = [time.monotonic()]
-    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
-    dm.maybe_restore(idle=True)  # poll 1: the idle check's round is missed
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    dm.restorer.maybe_restore(idle=True)  # poll 1: the idle check's round is missed
     assert dm.rounds.missed == 1 and dm.rounds.blocked
     clock[0] += 11.0
     for _ in range(3):  # polls 2 to 4
-        dm.maybe_restore(idle=True)
+        dm.restorer.maybe_restore(idle=True)
     assert maker.memory.offloaded_groups == 0 and not dm.rounds.blocked
     assert dm.log.recent()[-1]["site"] == "restore"
 
@@ -255,13 +252,13 @@ def test_a_lost_rank_costs_an_idle_server_a_round_only_at_its_doubling_idle_chec
     each check waits out a time-out, so they must stay at doubling poll counts (1, 2, 4, ...)."""
     dm = maker.make()
     maker.memory.offload(1, maker.memory.tokens_for(1))
-    dm.refresh_view()
+    dm.inputs.refresh_view()
     peer = dm.controller = dm.rounds.controller = PeerAlike(lambda round_id: True)
     clock = [time.monotonic()]
-    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
     for _ in range(64):
         clock[0] += 1.0
-        dm.maybe_restore(idle=True)
+        dm.restorer.maybe_restore(idle=True)
     assert len(peer.held) == 7 and maker.memory.offloaded_groups == 1  # polls 1, 2, 4, ..., 64
 
 
@@ -269,17 +266,17 @@ def test_no_prefix_is_evicted_for_a_restore_that_cannot_happen(maker, monkeypatc
     """Before, the idle restore evicted first and only then found the tail could not be freed."""
     dm = maker.make()
     maker.memory.offload(2, maker.memory.tokens_for(2))
-    dm.refresh_view()
+    dm.inputs.refresh_view()
     cache_prompts(maker, 2, 30)  # the tree holds 60 evictable rows
     held = maker.alloc.alloc(maker.alloc.available_size())  # a request holds all the rest, tail included
     assert held is not None
     cached = maker.tree.evictable_size()
     clock = [time.monotonic()]
-    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
-    dm.maybe_restore(idle=True)
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    dm.restorer.maybe_restore(idle=True)
     clock[0] += 60
     for _ in range(4):
-        dm.maybe_restore(idle=True)
+        dm.restorer.maybe_restore(idle=True)
     assert maker.tree.evictable_size() == cached and maker.memory.offloaded_groups == 2
 
 
@@ -360,16 +357,16 @@ def test_the_tpot_guard_caps_what_a_decision_may_offload(maker):
 
     maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
     dm = maker.make()
-    assert dm.guard_cap_groups() == dm.view.headroom_groups  # nothing measured yet: no cap
-    dm.guard.observe_decode_step(95.0, 0)
-    dm.guard.observe_staging(1, 3.0)  # 3 ms per offloaded group per step
-    assert dm.guard_cap_groups() == 1  # 95 + 3 <= 100 < 95 + 2 * 3
+    assert dm.inputs.guard_cap_groups() == dm.inputs.view.headroom_groups  # nothing measured yet: no cap
+    dm.measurements.guard.observe_decode_step(95.0, 0)
+    dm.measurements.guard.observe_staging(1, 3.0)  # 3 ms per offloaded group per step
+    assert dm.inputs.guard_cap_groups() == 1  # 95 + 3 <= 100 < 95 + 2 * 3
     cache_prompts(maker, 2, 10)
     free = maker.alloc.available_size()
-    snap = dm.snapshot(free + 400, "prefill", None, maker.tree, dm.coefficients(), free)
+    snap = dm.snapshot(free + 400, "prefill", None, maker.tree, dm.inputs.coefficients(), free)
     assert snap.tpot_guard_groups == 1 and snap.offloadable_groups == 1
-    dm.guard.observe_decode_step(400.0, 0)
-    assert dm.guard_cap_groups() == 0
+    dm.measurements.guard.observe_decode_step(400.0, 0)
+    assert dm.inputs.guard_cap_groups() == 0
     assert dm.stats()["tpot_guard"]["cap_groups"] == 0
 
 
@@ -378,7 +375,7 @@ def test_an_error_in_restore_bookkeeping_never_reaches_the_scheduler(maker, monk
 
     dm = maker.make()
     maker.memory.offload(2, maker.memory.tokens_for(2))
-    dm.refresh_view()
+    dm.inputs.refresh_view()
     held = maker.alloc.alloc(maker.alloc.available_size() - 60)
     cache_prompts(maker, 2, 30)  # the tree holds the pool's last rows: the restore must move them
     maker.alloc.free(held)
@@ -388,10 +385,10 @@ def test_an_error_in_restore_bookkeeping_never_reaches_the_scheduler(maker, monk
 
     monkeypatch.setattr(compaction, "compact_tail", broken)
     maker.scheduler.is_fully_idle = lambda: True
-    decisions._before_on_idle(maker.scheduler)  # the server went idle
+    decision_hooks._before_on_idle(maker.scheduler)  # the server went idle
     clock = [time.monotonic() + 11.0]
-    monkeypatch.setattr(decisions.time, "monotonic", lambda: clock[0])
-    decisions._before_on_idle(maker.scheduler)  # 11 s later: would raise into SGLang's event loop before
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    decision_hooks._before_on_idle(maker.scheduler)  # 11 s later: would raise into SGLang's event loop before
     assert dm.counts["errors"] == 1 and maker.memory.offloaded_groups == 2
 
 
@@ -403,13 +400,13 @@ def test_the_guard_learns_what_an_offloaded_group_costs_a_decode_step(maker, mon
     maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
     dm = maker.make()
     clock = [0.0]
-    monkeypatch.setattr(decisions.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
     for _ in range(30):  # 30 ms a step with everything resident
-        dm.before_decode_step()
+        dm.measurements.before_decode_step()
         clock[0] += 0.030
     maker.memory.offload(2, maker.memory.tokens_for(2))
     for _ in range(60):  # 42 ms a step with two groups offloaded: 6 ms per group
-        dm.before_decode_step()
+        dm.measurements.before_decode_step()
         clock[0] += 0.042
-    assert dm.guard.ms_per_group == pytest.approx(6.0, rel=0.01)
-    assert dm.guard.step_ms == pytest.approx(42.0, rel=0.01)
+    assert dm.measurements.guard.ms_per_group == pytest.approx(6.0, rel=0.01)
+    assert dm.measurements.guard.step_ms == pytest.approx(42.0, rel=0.01)

@@ -6,7 +6,7 @@ SGLang's `moe_forward_native`, random weights, a host backend with 64 KiB pages)
 import pytest
 import torch
 
-from vamp_sglang.memory.backend import select_backend
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout, LayoutError
 from vamp_sglang.memory.staging import StagingBuffers, build_expert_stores

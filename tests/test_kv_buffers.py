@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from vamp_sglang.memory.backend import VmmRuleError, select_backend
+from vamp_sglang.memory.backend import VmmRuleError
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 
 GRAN = 64 * 1024
@@ -97,7 +98,7 @@ def test_rows_dropped_by_shrink_are_unmapped():
     """Touching a dropped row through a view taken before the shrink faults (child process)."""
     code = textwrap.dedent(f"""
         import torch
-        from vamp_sglang.memory.backend import select_backend
+        from vamp_sglang.memory.backend_choice import select_backend
         from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
         be = select_backend("host", "cpu", granularity_bytes={GRAN})
         kv = GrowableKVBuffers(be, 1, 2, 16, torch.float32, 512, 2048)

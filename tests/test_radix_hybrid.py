@@ -241,7 +241,7 @@ def slot_of(cache, tokens):
 
 
 def test_the_state_pool_grows_in_place_and_moves_cached_states_down_before_it_shrinks():
-    from vamp_sglang.memory.backend import select_backend
+    from vamp_sglang.memory.backend_choice import select_backend
     from vamp_sglang.memory.kv_buffers import KVShrinkError
 
     backend = select_backend("host", "cpu", granularity_bytes=64 * 1024)

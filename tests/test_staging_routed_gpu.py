@@ -15,7 +15,7 @@ EXPERTS, HIDDEN, INTER, TOP_K, LAYERS = 64, 512, 256, 4, [0, 1, 2]
 def cuda_model():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (none here)")
-    from vamp_sglang.memory.backend import select_backend
+    from vamp_sglang.memory.backend_choice import select_backend
     from vamp_sglang.memory.layout import ExpertLayout
 
     backend = select_backend("cuda", torch.device("cuda", 0))

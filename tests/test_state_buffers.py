@@ -4,7 +4,8 @@ grows at its tail through the same tensor object, exact page arithmetic per kind
 import pytest
 import torch
 
-from vamp_sglang.memory.backend import VmmRuleError, select_backend
+from vamp_sglang.memory.backend import VmmRuleError
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.journal import Journal
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 

@@ -37,7 +37,8 @@ from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.integration.kv_pool import GrowablePool
 from vamp_sglang.integration.moe_staging import ModelExperts
 from vamp_sglang.integration.state_pool import GrowableStatePool
-from vamp_sglang.memory.backend import PageBackend, select_backend
+from vamp_sglang.memory.backend import PageBackend
+from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.kv_buffers import KVShrinkError
 from vamp_sglang.memory.repartition import Repartitioner
 

@@ -106,9 +106,9 @@ class StatePool:
 
     def _decide(self, gap: int) -> int:
         """Plan the shortfall (in slots) and carry out its offload; returns the slots added."""
-        from vamp_sglang.integration import decisions, radix
+        from vamp_sglang.integration import radix
 
-        maker = decisions.maker()
+        maker = self._maker()
         memory = maker.memory if maker is not None else None
         if memory is None or memory.states is None or _deciding.get():
             return 0
@@ -121,8 +121,10 @@ class StatePool:
                 snapshot = Snapshot(
                     site="prefill", gap_tokens=gap, free_tokens=free,
                     evictable=tuple(radix.state_eviction_candidates(self.tree_cache, gap)),
-                    offload=maker.offload_state(view, None), preempt=(), retract_buffer_tokens=0, observed_hit_rate=self.runtime.ledger.hit_rate,
-                    coefficients=maker.coefficients().as_overrides(), tpot_guard_groups=maker.guard_cap_groups())
+                    offload=maker.offload_state(view, None), preempt=(), retract_buffer_tokens=0,
+                    observed_hit_rate=self.runtime.ledger.hit_rate,
+                    coefficients=maker.inputs.coefficients().as_overrides(),
+                    tpot_guard_groups=maker.inputs.guard_cap_groups())
                 chosen = plan(snapshot, maker.base_coefficients, maker.config.policy)
             except Exception:  # a decision error must never reach SGLang's cache
                 self.errors += 1
@@ -136,9 +138,10 @@ class StatePool:
                 self.runtime.publish_metrics()
             if chosen is not None:
                 self.decisions["combined" if chosen.action == "partial" else chosen.action] += 1
-                maker.log.record(step=self.runtime.step, site="state", policy=maker.config.policy,
-                                 snapshot=snapshot, plan=chosen, decide_s=time.perf_counter() - start,
-                                 outcome={"slots_added": added, "state_slots": memory.states.slots})
+                decide_s = time.perf_counter() - start
+                maker.record(lambda: maker.log.record(
+                    step=self.runtime.step, site="state", policy=maker.config.policy, snapshot=snapshot,
+                    plan=chosen, decide_s=decide_s, outcome={"slots_added": added, "state_slots": memory.states.slots}))
             return added
         finally:
             _deciding.reset(token)
@@ -147,7 +150,7 @@ class StatePool:
     def _offer(maker: Any) -> tuple[int, ...]:
         """Slots 1, 2, ... more groups add to the state pool, the same on every rank (else none offered)."""
         memory = maker.memory
-        headroom = maker.offer().headroom_groups  # 0 while offloading is backed off or blocked
+        headroom = maker.inputs.offer().headroom_groups  # 0 while offloading is backed off or blocked
         local = tuple(memory.slots_for(n) for n in range(1, headroom + 1))
         if not maker.rounds.all_equal(zlib.crc32(repr(local).encode()) & 0x7FFFFFFF):
             return ()
@@ -169,11 +172,12 @@ class StatePool:
             "slots_added": self.slots_added, "decisions": dict(self.decisions), "decision_errors": self.errors,
             "grows_from_experts": self._grows()}}
 
-    @staticmethod
-    def _grows() -> bool:
-        from vamp_sglang.integration import decisions
+    def _maker(self) -> Any:
+        """The decision maker (VAMP on), or None (VAMP off, or a cache built without a runtime)."""
+        return getattr(self.runtime, "decision_maker", None)
 
-        maker = decisions.maker()
+    def _grows(self) -> bool:
+        maker = self._maker()
         return maker is not None and maker.memory.states is not None
 
 

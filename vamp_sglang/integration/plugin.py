@@ -22,19 +22,19 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import decisions, expert_memory, hybrid, runtime
+    from vamp_sglang.integration import decision_hooks, expert_memory, hybrid, runtime
 
-    return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory.HOOKS, *decisions.HOOKS, *hybrid.HOOKS]
+    return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
     """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
-    from vamp_sglang.integration import decisions, expert_memory, hybrid, radix
+    from vamp_sglang.integration import decision_hooks, expert_memory, hybrid, radix
 
     # Order matters: the decision maker needs the tree's step source and the expert memory; a hybrid
     # configuration VAMP does not support is refused before the expert memory is built.
     return [radix.setup_scheduler, hybrid.setup_scheduler, expert_memory.setup_scheduler,
-            decisions.setup_scheduler]
+            decision_hooks.setup_scheduler]
 
 
 def cpu_hooks() -> list[Hook]:

@@ -18,9 +18,9 @@ from vamp_sglang.faults import Faults
 from vamp_sglang.integration.hooks import Hook
 
 if TYPE_CHECKING:
-    from vamp_sglang.integration.decisions import DecisionMaker
     from vamp_sglang.integration.expert_memory import ExpertMemory
     from vamp_sglang.integration.metrics import VampMetrics
+    from vamp_sglang.integration.shortfall import DecisionMaker
 
 ACTIONS = ("offload", "evict", "preempt", "combined", "restore")
 
@@ -78,7 +78,7 @@ class VampRuntime:
         elif first:
             self.ledger.record(hit_tokens, requested_tokens)
         if self.decision_maker is not None:
-            self.decision_maker.on_admission(req)
+            self.decision_maker.measurements.on_admission(req)
 
     def radix_stats(self) -> dict[str, Any]:
         """Sizes any SGLang tree reports; our tree adds its own section through an extension."""

@@ -10,9 +10,8 @@ from vamp_sglang.memory.backend import (
     PageBackend,
     PageHandle,
     VmmRuleError,
-    register_backend,
-    select_backend,
 )
+from vamp_sglang.memory.backend_choice import register_backend, select_backend
 from vamp_sglang.memory.region import PagedRegion, bytes_checksum
 
 __all__ = [
