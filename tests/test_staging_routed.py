@@ -202,7 +202,7 @@ def test_on_the_host_measured_step_times_decide_once_both_modes_ran():
     assert chooser.choose(11, 64, whole, rows, row) == WHOLE  # whole re-measured after 10 steps
     chooser.observe_whole(11, 64, whole, copy_s=32e-6, wait_s=0.0)
     chooser.observe_step(11, 64, WHOLE, 0.006)
-    assert chooser.choose(12, 64, whole, rows, row) == ROUTED  # EMA: whole 0.0092 > routed 0.008
+    assert chooser.choose(12, 64, whole, rows, row) == ROUTED  # whole (11) was 9 steps from routed (2): not compared
     for step in range(13, 30):
         chooser.observe_step(step, 64, WHOLE, 0.004)
         chooser.observe_whole(step, 64, whole, copy_s=32e-6, wait_s=0.0)

@@ -12,10 +12,13 @@ time minus exposed wait (a copy that never stalled had a window at least as long
 
 On the host the model misses one cost: the whole-region copy runs on the second core while the compute
 thread works, and the two share the memory bus, so a copy that never stalls the compute still slows it.
-There (`measure_steps`) each bucket also tries routed once, and once both modes have measured step times
-(forward start to the last eligible layer's MoE, the part staging touches) the faster one runs, the other
-being re-measured every `explore_every_steps` steps of the bucket. On CUDA the copy engines do not take
-the SMs, host clocks do not time the device, and the model alone decides.
+There (`measure_steps`) measured step times (forward start to the last eligible layer's MoE, the part
+staging touches) decide, compared like with like (issue 19 item 12): per token, and only where a bucket
+switches mode, the new mode's first step against the other mode's run just before it (its recent steps
+smoothed), at most `pair_within_steps` steps apart. A mode's steady run never re-decides against the
+other's old sample, whose load may be gone. Each bucket tries routed once after whole, then the faster
+one runs; every `explore_every_steps` steps of the bucket the other one runs once next to it. On CUDA the
+copy engines do not take the SMs, host clocks do not time the device, and the model alone decides.
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ class StagingChooser:
     """Picks `whole` or `routed` for each step under `policy` (auto, whole, routed)."""
 
     def __init__(self, policy: str, top_k: int | None, experts: int, explore_every_steps: int = 64,
-                 measure_steps: bool = False) -> None:
+                 measure_steps: bool = False, pair_within_steps: int = 8) -> None:
         if policy not in STAGING_POLICIES:
             raise ValueError(f"staging policy must be one of {', '.join(STAGING_POLICIES)} (got {policy!r})")
         if policy == "auto" and not top_k:
             raise ValueError("staging policy auto needs the router's top_k")
         self.policy, self.top_k, self.experts = policy, top_k or 0, experts
         self.explore_every_steps = explore_every_steps
-        self.measure_steps = measure_steps
-        self._step_s: dict[int, dict[str, float]] = {}  # token bucket -> mode -> step seconds (host)
-        self._last_step: dict[int, dict[str, int]] = {}  # token bucket -> mode -> last step it ran
+        self.measure_steps, self.pair_within_steps = measure_steps, pair_within_steps
+        # host, per token bucket: mode -> (seconds per token smoothed over its latest run, that run's last step)
+        self._runs: dict[int, dict[str, tuple[float, int]]] = {}
+        self._latest_mode: dict[int, str] = {}  # the mode of the bucket's latest measured step
+        self._verdict: dict[int, tuple[str, int]] = {}  # the faster mode at the latest switch, and its step
         self.whole_bw_bytes_per_s: float | None = None
         self.routed_bw_bytes_per_s: float | None = None
         self.routed_ratio = 1.0  # observed distinct offloaded rows / the uniform expectation
@@ -64,11 +69,10 @@ class StagingChooser:
                 or step - self._last_whole_step.get(bucket, step) >= self.explore_every_steps:
             return WHOLE
         if self.measure_steps:
-            measured, last = self._step_s.get(bucket, {}), self._last_step.get(bucket, {})
-            if ROUTED not in measured:
-                return ROUTED
-            slower, faster = sorted((WHOLE, ROUTED), key=measured.__getitem__, reverse=True)
-            return slower if step - last.get(slower, step) >= self.explore_every_steps else faster
+            faster, compared_step = self._verdict.get(bucket, (None, None))
+            if faster is not None and step - compared_step < self.explore_every_steps:
+                return faster
+            return WHOLE if self._latest_mode.get(bucket) == ROUTED else ROUTED  # a step to pair with the latest
         return ROUTED if self.routed_s(tokens, offloaded_rows, row_bytes) < self.whole_s(tokens, whole_layer_bytes) \
             else WHOLE
 
@@ -97,13 +101,18 @@ class StagingChooser:
             self._last_whole_step[bucket] = step
 
     def observe_step(self, step: int, tokens: int | None, mode: str, seconds: float) -> None:
-        """A measured step of `mode` (host): forward start to the last eligible layer's MoE."""
-        if tokens is None or seconds <= 0:
+        """A measured step of `mode` (host): forward start to the last eligible layer's MoE. A step that
+        switches its bucket's mode is compared with the other mode's run right before it."""
+        if not tokens or seconds <= 0:
             return
-        bucket = token_bucket(tokens)
-        times = self._step_s.setdefault(bucket, {})
-        times[mode] = smooth(times.get(mode), seconds)
-        self._last_step.setdefault(bucket, {})[mode] = step
+        bucket, s_per_token = token_bucket(tokens), seconds / tokens
+        runs = self._runs.setdefault(bucket, {})
+        switched = self._latest_mode.get(bucket) != mode
+        runs[mode] = (s_per_token if switched else smooth(runs[mode][0], s_per_token), step)
+        self._latest_mode[bucket] = mode
+        other = runs.get(ROUTED if mode == WHOLE else WHOLE)
+        if switched and other is not None and step - other[1] <= self.pair_within_steps:
+            self._verdict[bucket] = (min(runs, key=lambda m: runs[m][0]), step)
 
     def observe_routed(self, tokens: int | None, nbytes: int, copy_s: float, rows: int | None,
                        offloaded_rows: int) -> None:
