@@ -87,7 +87,7 @@ HYBRID_REFUSED = [
     (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
     (["--enable-linear-replayssm"], "--enable-linear-replayssm"),
     (["--enable-linear-replayssm-spec"], "--enable-linear-replayssm-spec"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),  # no draft KV, but per-draft state
 ]
 
 
@@ -109,6 +109,78 @@ def test_unsupported_hybrid_flags_are_refused_before_loading(tmp_path, flags, na
     assert not launch_server.prepare(hybrid + ["--vamp-max-offload-ratio", "0", *flags]).vamp.enabled
     dense = _model_dir(tmp_path / "moe", "qwen3_moe")
     assert launch_server.prepare(dense + ["--vamp-max-offload-ratio", "0.2", *flags]).vamp.enabled
+
+
+REFUSED_ON_EVERY_MODEL = [  # issue 19 item 5
+    (["--enable-pdmux"], "--enable-pdmux"),
+    (["--enable-pdm"], "--enable-pdmux"),  # SGLang's parser takes unique abbreviations
+    (["--enable-nvidia-megakernel"], "--enable-nvidia-megakernel"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    (["--speculative-algorithm=eagle3"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "MY_REGISTERED_DRAFT"], "--speculative-algorithm"),
+    (["--speculative-algo", "EAGLE"], "--speculative-algorithm"),
+]
+REFUSED_FROM_CONFIG_FILE = [  # SGLang's --config YAML: each key becomes `--key` ahead of the command line
+    ("enable-pdmux: true\n", "--enable-pdmux"),
+    ("enable-nvidia-megakernel: true\n", "--enable-nvidia-megakernel"),
+    ("speculative-algorithm: EAGLE\nspeculative-num-steps: 3\n", "--speculative-algorithm"),
+]
+
+
+def _config_file(tmp_path, text):
+    path = tmp_path / "server.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize("flags,named", REFUSED_ON_EVERY_MODEL, ids=[" ".join(f) for f, _ in REFUSED_ON_EVERY_MODEL])
+def test_pdmux_megakernel_and_draft_speculation_are_refused_on_every_model(tmp_path, flags, named):
+    """Split prefill restarts expert staging per layer chunk, the megakernel keeps the freed expert weights, and a
+    draft model's KV pool never grows with the target's: refused with VAMP on, on a dense MoE model as on any;
+    with VAMP off the flags reach SGLang untouched."""
+    dense = _model_dir(tmp_path / "moe", "qwen3_moe")[:2]
+    for model in (MODEL, dense):
+        with pytest.raises(ConfigError, match=named):
+            launch_server.prepare(model + flags + ["--vamp-max-offload-ratio", "0.2"])
+        assert launch_server.prepare(model + flags + ["--vamp-max-offload-ratio", "0"]).sglang_argv == model + flags
+
+
+@pytest.mark.parametrize("text,named", REFUSED_FROM_CONFIG_FILE, ids=[n for _, n in REFUSED_FROM_CONFIG_FILE])
+def test_the_same_features_switched_on_in_a_config_file_are_refused(tmp_path, text, named):
+    flags = _config_file(tmp_path, text)
+    with pytest.raises(ConfigError, match=named):
+        launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"])
+    assert launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0"]).sglang_argv == MODEL + flags
+
+
+@pytest.mark.parametrize("flags", [
+    ["--speculative-algorithm", "NGRAM"],  # no draft model, so no draft KV pool (SGLang's has_draft_kv)
+    ["--speculative-algorithm", "ngram"],
+    ["--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states"],  # names a capture, no draft
+], ids=" ".join)
+def test_speculation_without_a_draft_kv_pool_is_served_on_a_dense_model(flags):
+    assert launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"]).vamp.enabled
+
+
+def test_a_config_file_that_leaves_the_features_off_is_served(tmp_path):
+    flags = _config_file(tmp_path, "enable-pdmux: false\nspeculative-algorithm: NGRAM\nmem-fraction-static: 0.8\n")
+    assert launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"]).vamp.enabled
+
+
+@pytest.mark.parametrize("flags,named", REFUSED_ON_EVERY_MODEL[::3] + [(["--config"], "--enable-pdmux")],
+                         ids=lambda v: str(v))
+def test_each_refusal_answers_within_a_second_as_a_subprocess(tmp_path, flags, named):
+    if flags == ["--config"]:
+        flags = _config_file(tmp_path, REFUSED_FROM_CONFIG_FILE[0][0])
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "vamp_sglang.launch_server", *MODEL, *flags,
+                           "--vamp-max-offload-ratio", "0.2"], check=False, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert elapsed < 1.0, f"refusal took {elapsed:.2f} s"
 
 
 def test_ratio_zero_is_stock_argv():

@@ -24,12 +24,23 @@ from vamp_sglang.integration import gpu_flags
 
 PROG = "python -m vamp_sglang.launch_server"
 
-# SGLang features whose memory or expert layout VAMP does not handle yet: refused when VAMP is on.
+_SPECULATIVE = "--speculative-algorithm"
+# SGLang features VAMP cannot serve, refused when VAMP is on: flag -> why ("": layout not handled yet).
 _UNSUPPORTED_WITH_VAMP = {
-    "enable_dp_attention": "--enable-dp-attention",
-    "enable_paged_experts": "--enable-paged-experts",
-    "enable_hierarchical_cache": "--enable-hierarchical-cache",
+    "--enable-dp-attention": "",
+    "--enable-paged-experts": "",
+    "--enable-hierarchical-cache": "",
+    "--enable-pdmux": "split prefill runs one forward per layer chunk, and each restarts expert staging "
+                      "into a slot whose copy for a later layer is still pending: wrong expert weights",
+    "--enable-nvidia-megakernel": "its kernels are built from the expert weights before VAMP pages them, "
+                                  "and keep the originals VAMP frees",
+    _SPECULATIVE: "the draft model's KV pool takes token ids from the target's allocator but "
+                               "never grows with it, so its writes pass its end after an offload; only NGRAM, "
+                               "which has no draft KV, is served",
 }
+# SGLang 0.5.23 turns a `--config` YAML into `--key value` flags ahead of the command line
+# (server_args.py prepare_server_args; utils/server_args_config_parser.py _convert_config_to_args).
+_CONFIG_FILE = "--config"
 
 
 @dataclass(frozen=True)
@@ -43,9 +54,30 @@ class Launch:
     tp_size: int
 
 
+def _config_file_flags(argv: list[str]) -> list[str]:
+    """The scalar and true-boolean flags a `--config` YAML gives SGLang, so a refused feature switched on there
+    is refused too. A file SGLang cannot read gives none here: SGLang reports it."""
+    if _CONFIG_FILE not in argv[:-1]:
+        return []
+    import yaml
+
+    try:
+        with open(argv[argv.index(_CONFIG_FILE) + 1]) as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return []
+    flags: list[str] = []
+    for key, value in (values if isinstance(values, dict) else {}).items():
+        if value is True or not isinstance(value, (bool, list, dict)):
+            flags += [f"--{key}"] + ([] if value is True else [str(value)])
+    return flags
+
+
 def _sglang_view(argv: list[str]) -> argparse.Namespace:
-    """The few SGLang flags our checks depend on, read without importing SGLang."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    """The few SGLang flags our checks depend on, read without importing SGLang: from a `--config` file and
+    the command line (which wins), taking the unique abbreviations SGLang's parser takes (no SGLang flag is a
+    prefix of one read here, so none is mistaken for another)."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--device", default=None)
     p.add_argument("--model-path", "--model", dest="model_path", default=None)
     p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
@@ -58,10 +90,20 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
-    for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
-        p.add_argument(flag, dest=dest, action="store_true")
-    hybrid_refusals.add_flags(p)
-    return p.parse_known_args(argv)[0]
+    p.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    for flag in [flag for flag in _UNSUPPORTED_WITH_VAMP if flag != _SPECULATIVE]:
+        p.add_argument(flag, action="store_true")
+    hybrid_refusals.add_flags(p)  # with _SPECULATIVE
+    return p.parse_known_args(_config_file_flags(argv) + argv)[0]
+
+
+def _turns_on(sg: argparse.Namespace, flag: str) -> bool:
+    """Whether the flags turn on `flag`'s feature. Speculative decoding counts when it builds a draft KV pool:
+    not NGRAM (SGLang's `has_draft_kv`), nor an algorithm that only names the aux hidden-state capture."""
+    if flag == _SPECULATIVE:
+        algorithm = (sg.speculative_algorithm or "").upper()
+        return algorithm not in ("", "NGRAM") and not sg.enable_return_aux_hidden_states
+    return getattr(sg, flag.removeprefix("--").replace("-", "_"))
 
 
 def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
@@ -90,9 +132,9 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     for name, flag in [("pp_size", "--pp-size"), ("ep_size", "--ep-size"), ("dwdp_size", "--dwdp-size")]:
         if getattr(sg, name) != 1:
             raise ConfigError(f"{flag} > 1 is not supported with --vamp-max-offload-ratio > 0")
-    for dest, flag in _UNSUPPORTED_WITH_VAMP.items():
-        if getattr(sg, dest):
-            raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0")
+    for flag, why in _UNSUPPORTED_WITH_VAMP.items():
+        if _turns_on(sg, flag):
+            raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0" + (f" ({why})" if why else ""))
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
         raise ConfigError(refusal)
 
