@@ -35,6 +35,11 @@ def check_private(path: str, what: str, is_dir: bool, missing_hint: str, fix: st
         info = os.lstat(path)
     except FileNotFoundError:
         raise ControllerError(f"{what} {path!r} does not exist; {missing_hint}") from None
+    check_private_stat(info, path, what, is_dir, fix)
+
+
+def check_private_stat(info: os.stat_result, path: str, what: str, is_dir: bool, fix: str) -> None:
+    """`check_private`'s checks on a stat result already taken (an open descriptor's fstat)."""
     kind, other, is_kind = ("directory", "a file", stat.S_ISDIR) if is_dir else ("regular file", "a directory",
                                                                                  stat.S_ISREG)
     if stat.S_ISLNK(info.st_mode) or not is_kind(info.st_mode):
