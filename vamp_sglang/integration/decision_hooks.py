@@ -18,6 +18,7 @@ import contextvars
 from typing import Any
 
 from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.integration.prefill_timing import forward_stream_of
 from vamp_sglang.integration.runtime import current
 from vamp_sglang.integration.shortfall import DecisionMaker
 
@@ -85,8 +86,9 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
     if decider is None:
         return original(scheduler, batch, *args, **kwargs)
     measurements = decider.measurements
-    # on a GPU the forward is only launched here: the timers read device events later
-    stream = getattr(scheduler, "forward_stream", None)
+    # on a GPU the forward is only launched here: the timers read device events later, recorded on the
+    # stream this loop runs the forward on (schedule_stream without overlap)
+    stream = forward_stream_of(scheduler)
     decode = batch.forward_mode.is_decode()
     if batch.forward_mode.is_extend() and batch.extend_num_tokens:
         with measurements.prefill_timer.measure(int(batch.extend_num_tokens), stream):

@@ -1,0 +1,136 @@
+"""The decision layer's wiring into SGLang's call sites, on the same real pool, tree and experts as
+tests/test_decisions.py (issue 19 items 3, 8 and 16): what each hook feeds, and what may never escape.
+"""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker  # noqa: F401 (fixtures)
+from tests.test_integration_memory import H, moe_outputs, router_outputs, sglang_moe, vamp  # noqa: F401
+from vamp_sglang.config import VampConfig
+from vamp_sglang.integration import decision_hooks, radix, runtime, step_measurements
+from vamp_sglang.integration.runtime import VampRuntime
+
+
+def forward_mode(decode: bool):
+    return SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
+
+
+def test_a_decision_log_write_that_raises_never_reaches_sglangs_allocator(maker, monkeypatch):  # noqa: F811
+    """Issue 19.8: the log write ran after the decision's rounds, outside every guard: a full disk on
+    one rank raised through `evict_to_free_tokens` (and skipped that rank's next rounds)."""
+    dm = maker.make()
+    cache_prompts(maker, 10, 10)
+    assert maker.alloc.alloc(maker.alloc.available_size()) is not None
+
+    def full_disk(**entry):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dm.log, "record", full_disk)
+    for _ in range(2):
+        need = maker.alloc.available_size() + 25
+        dm.on_shortfall(EVICT, maker.alloc, maker.tree, need, "prefill", None)
+        assert maker.alloc.available_size() >= need
+    assert dm.counts["log_errors"] == 2 and dm.stats()["failures"]["decision_log"] == 2
+    assert dm.counts["errors"] == 0  # the decisions themselves went through
+
+
+def test_run_batch_times_a_prefill_on_the_stream_the_loop_runs_the_forward_on(maker, monkeypatch):  # noqa: F811
+    """Issue 19.3: the hook timed on `scheduler.forward_stream` in both loops; without overlap the
+    forward runs on `schedule_stream`, and events on the idle forward stream read about 0."""
+    dm = maker.make()
+    timer, streams = dm.measurements.prefill_timer, []
+    measure = timer.measure
+
+    def noting_the_stream(tokens, stream=None):
+        streams.append(stream)
+        return measure(tokens, stream)
+
+    monkeypatch.setattr(timer, "measure", noting_the_stream)
+    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1),
+                                 schedule_stream="schedule_stream", forward_stream="forward_stream")
+    prefill = SimpleNamespace(forward_mode=forward_mode(decode=False), extend_num_tokens=64)
+    decision_hooks._around_run_batch(lambda scheduler, batch: None, maker.scheduler, prefill)
+    maker.scheduler.enable_overlap = True
+    decision_hooks._around_run_batch(lambda scheduler, batch: None, maker.scheduler, prefill)
+    assert streams == ["schedule_stream", "forward_stream"]
+    assert dm.measurements.calibrator.prefill_samples == 2  # both readings reached t_prefill
+
+
+def test_each_forward_feeds_c_eff_from_the_staging_wait_it_caused(maker, vamp):  # noqa: F811
+    """Issue 19.16: c_reload of Eq. 3 comes from `after_forward`, through the run_batch hook."""
+    dm = maker.make()
+    memory = maker.memory
+    memory.offload(1, memory.tokens_for(1))
+    g = torch.Generator().manual_seed(3)
+    x, topk = torch.randn(16, H, generator=g), router_outputs(g, 16)
+    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1), schedule_stream=None)
+    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    before_s = float(memory.experts.engine.stats().wait_s)
+    decision_hooks._around_run_batch(lambda s, b: moe_outputs(vamp.layers, vamp.experts, x, topk),
+                                     maker.scheduler, decode)
+    waited_s = float(memory.experts.engine.stats().wait_s) - before_s
+    calibrator, shards = dm.measurements.calibrator, memory.layout.group_experts
+    assert memory.experts.engine.stats().bytes_staged > 0 and calibrator.staging_samples == 1
+    assert calibrator.c_eff_s == pytest.approx(waited_s / shards)
+    want = calibrator.c_eff_s * memory.layout.local_experts / dm.top_k
+    assert dm.inputs.coefficients().c_reload_s == pytest.approx(want)
+
+
+def test_t_queue_runs_from_sglangs_retraction_to_the_re_admission(maker, monkeypatch):  # noqa: F811
+    """Issue 19.16: t_queue of Eq. 4 as section V observes it, through the retract_decode hook and the
+    admission hook SGLang's PrefillAdder calls."""
+    dm = maker.make()
+    clock = [100.0]
+    monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runtime, "_current", maker.runtime)
+    req = SimpleNamespace(rid="r1", full_untruncated_fill_ids=[1] * 8,
+                          last_node=radix.tree_core_of(maker.tree).root_node.id)
+    decision_hooks._around_retract_decode(lambda batch: ([req], 0.0, []), SimpleNamespace())
+    clock[0] += 2.5
+    runtime._after_prefill_admission(None, None, req, SimpleNamespace(prefix_len=0))
+    queue = dm.measurements.calibrator.queue
+    assert queue.observations == 1 and dm.inputs.coefficients().t_queue_s == pytest.approx(queue.value_s)
+    assert queue.value_s != dm.base_coefficients.t_queue_s
+
+
+def test_setup_scheduler_gives_the_tree_the_runtimes_one_hit_rate_ledger(maker):  # noqa: F811
+    """Issue 19.16: Eq. 1's observed hit rate is one ledger, the runtime's, which our tree records into
+    once `radix.setup_scheduler` wired it; a second ledger would let /vamp/stats and the planner differ."""
+    fresh = VampRuntime(maker.scheduler, VampConfig(max_offload_ratio=0.5), 0, False)
+    radix.setup_scheduler(maker.scheduler, fresh)
+    assert fresh.vamp_tree is maker.tree and radix.tree_core_of(maker.tree).vamp_ledger is fresh.ledger
+    root = radix.tree_core_of(maker.tree).root_node.id
+    fresh.on_admission(SimpleNamespace(full_untruncated_fill_ids=[1] * 10, last_node=root), 6, first=True)
+    fresh.on_admission(SimpleNamespace(full_untruncated_fill_ids=[1] * 10, last_node=root), 6, first=False)
+    assert fresh.ledger.hit_rate == pytest.approx(0.6) and fresh.radix_stats()["hit_rate"] == pytest.approx(0.6)
+
+
+def test_eviction_candidates_are_taken_until_they_cover_the_need_with_no_fixed_cap(maker):  # noqa: F811
+    """Issue 19.16: a gap that takes 180 one-token leaves gets 180 candidates (a cap would make the
+    planner think eviction cannot cover it, and offload or preempt instead)."""
+    cache_prompts(maker, 190, 1)
+    candidates = radix.eviction_candidates(maker.tree, gap_tokens=180, free_tokens=0, running_requests=1,
+                                           retract_buffer_tokens=0)
+    assert len(candidates) == 180 and sum(c.tokens for c in candidates) == 180
+
+
+def test_an_idle_poll_ends_the_chain_of_decode_steps(maker, monkeypatch):  # noqa: F811
+    """The TPOT guard's interval runs from one decode step to the next; an idle gap is no step time."""
+    import dataclasses
+
+    maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
+    dm = maker.make()
+    clock = [time.perf_counter()]
+    monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
+    dm.measurements.before_decode_step()
+    clock[0] += 0.020
+    dm.measurements.before_decode_step()
+    maker.scheduler.is_fully_idle = lambda: True
+    decision_hooks._before_on_idle(maker.scheduler)
+    clock[0] += 30.0
+    dm.measurements.before_decode_step()
+    assert dm.measurements.guard.step_ms == pytest.approx(20.0)
