@@ -25,6 +25,12 @@ for SMs, while our copies run on the copy engines from pinned memory, the path t
 gather also needs a JIT-built kernel and a fork/join of streams inside the capture. The cost of ours is
 one graph segment boundary and one Python call per eligible layer and step.
 
+A break must run on the capture stream (issue 19 item 1): `eager_on_graph` ends the segment and begins
+the next on the current stream. Qwen2-MoE, Qwen3-Next and GLM-4-MoE run their router and experts on
+the block's `alt_stream` while capturing, so `convert_experts` takes that stream from the blocks of the
+eligible layers (they then take SGLang's single-stream path, as its own paged experts do), and a break
+reached on any other stream during a capture raises `SideStreamBreakError` naming the layer.
+
 Routed-only staging (issue 12): the break also passes the router's top-k ids (the `topk_output` that
 reaches `run_moe_core`), so a routed step copies only the selected offloaded experts right there; on
 CUDA through SGLang's gather with a device-built copy list (routed_gather.py), which needs no host sync
@@ -55,6 +61,10 @@ from vamp_sglang.memory.staging import StagingBuffers, StagingEngine, close_expe
 
 class ExpertConversionError(RuntimeError):
     """The model's MoE layers cannot be rebuilt over paged memory; the message names the layer."""
+
+
+class SideStreamBreakError(RuntimeError):
+    """A staging break was reached on a stream other than the one the graph captures on."""
 
 
 @dataclass(eq=False)
@@ -160,6 +170,8 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         layer.replace_expert_tensor("w2_weight", store.w2)
         if backend.device.type == "cuda":
             torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
+    if layout.bound_groups:  # the eligible layers get staging breaks
+        keep_moe_on_capture_stream(model, eligible)
     copier = None
     if backend.device.type == "cuda" and staging_policy != "whole" and stores:
         from vamp_sglang.integration.routed_gather import GatherCopier
@@ -171,12 +183,26 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
                         {s.w2.data_ptr(): s.layer_id for s in stores})
 
 
+def keep_moe_on_capture_stream(model: torch.nn.Module, layers: list[Any]) -> None:
+    """Take the side stream from the MoE blocks that own `layers`, so that they run their experts, and
+    so our breaks, on the capture stream. Qwen2-MoE's block (Qwen3-Next's too) forks the routed experts
+    onto `self.alt_stream` whenever `get_is_capture_mode()` (models/qwen2_moe.py:833-848, 788), GLM-4-MoE's
+    likewise (models/glm4_moe.py:573-579, 593); with no `alt_stream` both take their single-stream
+    branch, which SGLang itself picks for its paged experts' breaks (qwen2_moe.py:838-842). The price is
+    the shared expert's overlap with the routed experts in these layers' captured steps."""
+    owned = {id(layer) for layer in layers}
+    for module in model.modules():
+        if getattr(module, "alt_stream", None) is not None and any(id(c) in owned for c in module.children()):
+            module.alt_stream = None
+
+
 # ---- the forward path ------------------------------------------------------------------------------
 
 def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:
     """`FusedMoE.run_moe_core` after the staging break (`before_moe`) and before `after_moe`."""
     if experts.layers.get(layer.layer_id) is not layer or not staging_breaks(experts):
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
+    check_capture_stream(layer.layer_id)
     staging_break()(experts.engine, layer.layer_id, routed_ids(*args, **kwargs))
     out = original(layer, *args, **kwargs)
     experts.engine.after_moe(layer.layer_id)
@@ -189,8 +215,29 @@ def invoke_fused_moe_kernel_staged(experts: ModelExperts, original: Callable, a:
     engine splits its waits, wait for that layer's w2 copy first (a break, like `before_moe`)."""
     layer_id = experts.w2_owners.get(b.data_ptr()) if experts.engine.split_w2_wait else None
     if layer_id is not None:
+        check_capture_stream(layer_id)
         w2_break()(experts.engine, layer_id)
     return original(a, b, *args, **kwargs)
+
+
+def check_capture_stream(layer_id: int) -> None:
+    """Refuse a break reached on a side stream during a breakable capture: `eager_on_graph` would end
+    the segment and begin the next one on that stream (breakable_cuda_graph.py:278, 315), and the
+    capture would fail at its end as unjoined. The capture stream is the one
+    `BreakableCUDAGraphCapture.__enter__` records with the capture (breakable_cuda_graph.py:391-394);
+    outside a capture, or in a capture that records none, there is nothing to check."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
+        _current_capture_var,
+        _current_stream_var,
+    )
+
+    capturing = _current_stream_var.get()
+    if _current_capture_var.get() is None or capturing is None:
+        return
+    current = torch.cuda.current_stream()
+    if current != capturing:
+        raise SideStreamBreakError(f"MoE layer {layer_id}'s staging break runs on {current} while the graph "
+                                   f"captures on {capturing}: run this layer's experts on the capture stream")
 
 
 @functools.cache
