@@ -134,3 +134,44 @@ def test_an_idle_poll_ends_the_chain_of_decode_steps(maker, monkeypatch):  # noq
     clock[0] += 30.0
     dm.measurements.before_decode_step()
     assert dm.measurements.guard.step_ms == pytest.approx(20.0)
+
+
+class StreamOrder:
+    """Stands for a CUDA stream in the order checks below: notes every wait into a shared journal."""
+
+    def __init__(self, name, journal):
+        self.name, self.journal = name, journal
+
+    def wait_stream(self, other):
+        self.journal.append(f"{self.name} waits for {other.name}")
+
+
+def test_a_busy_restore_moves_rows_only_after_the_forward_run_batch_launched(maker, monkeypatch):  # noqa: F811
+    """Issue 19.7: under the overlap scheduler the busy restore runs right after `run_batch` launched the
+    next forward, which may still write rows of a request that just finished (its nodes unlocked);
+    compaction copied them with nothing ordering the copies after that forward."""
+    from vamp_sglang.integration import compaction
+
+    dm = maker.make()
+    maker.memory.offload(2, maker.memory.tokens_for(2))
+    dm.inputs.refresh_view()
+    held = maker.alloc.alloc(maker.alloc.available_size() - 60)
+    cache_prompts(maker, 2, 30)  # the tree holds the pool's last rows: the restore must move them
+    maker.alloc.free(held)
+    journal = []
+    vars(maker.scheduler).update(enable_overlap=True, pp_group=SimpleNamespace(world_size=1),
+                                 schedule_stream=StreamOrder("schedule_stream", journal),
+                                 forward_stream=StreamOrder("forward_stream", journal))
+    compact = compaction.compact_tail
+
+    def noting_the_compaction(*args, **kwargs):
+        journal.append("compact")
+        return compact(*args, **kwargs)
+
+    monkeypatch.setattr(compaction, "compact_tail", noting_the_compaction)
+    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    for _ in range(maker.runtime.config.restore_after_steps):
+        decision_hooks._around_run_batch(lambda s, b: None, maker.scheduler, decode)
+        maker.scheduler.forward_ct += 1
+    assert journal == ["schedule_stream waits for forward_stream", "compact"]
+    assert maker.memory.offloaded_groups < 2 and dm.runtime.decisions["restore"] == 1

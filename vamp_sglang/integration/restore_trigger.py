@@ -96,6 +96,7 @@ class RestoreTrigger:
 
                 scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens, mamba_num=chosen.evict_states))
             if chosen.compact:
+                _after_the_launched_forward(scheduler)
                 compaction.compact_tail(scheduler.tree_cache, allocator, memory.pool.pool, keep_tokens)
             restorable = groups if memory.restorable_groups() >= groups else 0
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
@@ -111,3 +112,17 @@ class RestoreTrigger:
             runtime.publish_metrics()
         else:
             maker.counts["restore_failures"] += 1
+
+
+def _after_the_launched_forward(scheduler: Any) -> None:
+    """Order the compaction's row copies after the forward `run_batch` just launched.
+
+    Under the overlap scheduler `run_batch` returns once the forward is launched on `forward_stream`
+    (sglang/srt/managers/scheduler.py:4671-4672), and the busy restore runs right after it. A request
+    that finished in the batch before may still be in that forward (it was scheduled before its result
+    came back) while its nodes are already unlocked, so the forward can still read and write rows the
+    compaction moves. The compaction copies run on `schedule_stream`, the stream the event loop runs in;
+    making it wait for the forward stream is SGLang's own coarse write-after-read barrier
+    (`_apply_war_barrier`, scheduler.py:2023). Without overlap the forward ran on this stream already."""
+    if getattr(scheduler, "enable_overlap", False):
+        scheduler.schedule_stream.wait_stream(scheduler.forward_stream)
