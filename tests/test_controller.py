@@ -93,8 +93,9 @@ def run_ranks(tmp_path, world_size, scripts, link=None):
 
 
 def _agree_then_ok(rounds):
-    """The call sequence of the scheduler funnel: agree_min, then all_ok, for each (round, tokens, ok)."""
-    return [step for r, tokens, ok in rounds for step in (("agree", r, tokens), ("ok", r, ok))]
+    """The call sequence of the scheduler funnel: agree_min, then all_ok, for each (round, tokens, ok)
+    or (round, tokens, ok, purpose)."""
+    return [step for r, tokens, ok, *purpose in rounds for step in (("agree", r, tokens, *purpose), ("ok", r, ok))]
 
 
 def _logged(out, text):
@@ -119,6 +120,25 @@ def test_one_failed_remap_rolls_back_every_rank_and_the_next_round_commits(tmp_p
     for rank in range(3):
         assert outs[rank]["results"] == [64, False, 32, True]
     assert _logged(outs[0], "rank 2 voted no on round 1; every rank rolls back")
+
+
+# --- a round held for another purpose -------------------------------------------------------------
+def test_a_rank_holding_another_purpose_fails_the_round_on_every_rank_at_once_and_the_next_agrees(tmp_path):
+    # Rank 1's control flow strayed: under round 1 it checks a fingerprint while ranks 0 and 2 agree on
+    # a view. The leader starts late, so rank 1's proposal waits in its stash and is checked there.
+    scripts = {rank: _agree_then_ok([(1, tokens, True, "agree/view"), (2, tokens, True, "agree/idle")])
+               for rank, tokens in ((0, 100), (2, 70))}
+    scripts[0] = [("sleep", 0.3)] + scripts[0]
+    scripts[1] = _agree_then_ok([(1, 40, True, "equal/view"), (2, 40, True, "agree/idle")])
+    outs = run_ranks(tmp_path, 3, scripts)
+    for rank in range(3):
+        assert outs[rank]["results"] == [0, False, 40, True], rank
+        assert not _logged(outs[rank], "within"), rank  # nobody waited out a time-out
+    for rank in (0, 2):
+        assert _logged(outs[rank], "rank 1 held another round than round 1 ('agree/view'); no remap on any rank")
+        assert _logged(outs[rank], "rank 1 held another round than round 1 ('agree/view'); every rank rolls back")
+    assert _logged(outs[1], "rank 0 (leader) held round 1 for 'agree/view', not 'equal/view'; rank 1 takes 0")
+    assert _logged(outs[1], "rank 0 (leader) held round 1 for 'agree/view', not 'equal/view'; rank 1 rolls back")
 
 
 # --- time-outs ----------------------------------------------------------------------------------
@@ -179,8 +199,9 @@ def _raw_socket(context, kind, **options):
 GARBAGE_TO_LEADER = [
     [b"\xc1"],
     [msgpack.packb({"type": "Launch", "round_id": 1})],
-    [msgpack.packb({"type": "Proposal", "round_id": 1, "rank": 1, "tokens": "5"})],
-    [msgpack.packb({"type": "Proposal", "round_id": 1, "rank": 1})],
+    [msgpack.packb({"type": "Proposal", "round_id": 1, "rank": 1, "tokens": "5", "purpose": ""})],
+    [msgpack.packb({"type": "Proposal", "round_id": 1, "rank": 1, "purpose": ""})],
+    [msgpack.packb({"type": "Proposal", "round_id": 1, "rank": 1, "tokens": 5, "purpose": "Agree"})],
     [encode(Proposal(1, 2, 5))],  # claims another rank
     [encode(Decision(1, 5))],  # a leader's message
     [encode(Proposal(1, 1, 5)), b"extra frame"],
@@ -205,6 +226,7 @@ def test_the_leader_rejects_malformed_messages_as_no_answer(tmp_path, caplog):
             assert len(rejected) == len(GARBAGE_TO_LEADER) + 1
             assert any("unknown peer" in line for line in rejected)
             assert any("Proposal.tokens must be an int (got str)" in line for line in rejected)
+            assert any("Proposal.purpose must match" in line for line in rejected)
             assert any("Proposal.rank is 2 but it came from rank 1" in line for line in rejected)
             assert "rank 1 did not answer round 1 within 0.5 s; no remap on any rank" in caplog.text
             assert decode(follower.recv()) == Decision(1, 0, (1,))
@@ -222,8 +244,8 @@ def test_a_follower_rejects_malformed_decisions_and_vetoes_the_round(caplog):
     context = zmq.Context()
     fake_leader = _raw_socket(context, zmq.ROUTER, ROUTER_MANDATORY=1)
     fake_leader.bind("ipc://" + leader_socket_path(ipc_dir, 0))
-    garbage = [b"\xc1", msgpack.packb({"type": "Decision", "round_id": 1, "tokens": -7, "missing": ()}),
-               msgpack.packb({"type": "Decision", "round_id": 1, "tokens": True, "missing": ()}),
+    decision = {"type": "Decision", "round_id": 1, "missing": (), "mismatched": (), "purpose": ""}
+    garbage = [b"\xc1", msgpack.packb({**decision, "tokens": -7}), msgpack.packb({**decision, "tokens": True}),
                encode(Proposal(1, 0, 5)), encode(Decision(1, 999))]  # 999 > what rank 1 can add
     try:
         with RankController(1, 2, ipc_dir, TIMEOUT_S) as follower, caplog.at_level(logging.INFO):
@@ -317,6 +339,8 @@ def test_bad_arguments_are_named():
             alone.agree_min(6, 1.5)
         with pytest.raises(TypeError, match="ok must be a bool"):
             alone.all_ok(6, 1)
+        with pytest.raises(ValueError, match="purpose must be a short call-site name"):
+            alone.agree_min(6, 1, "Agree View")
     with pytest.raises(ValueError, match="rank must be in"):
         RankController(2, 2, None)
     with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vamp_sglang.controller.messages import (
+    PURPOSE,
     Decision,
     MalformedMessage,
     Outcome,
@@ -21,38 +22,44 @@ from vamp_sglang.controller.messages import (
 # 20000 examples pass without it).
 counts = st.integers(min_value=0, max_value=2**40)
 ranks = st.tuples() | st.lists(st.integers(0, 1023), max_size=8).map(tuple)
+purposes = st.from_regex(PURPOSE, fullmatch=True)
 
 
 @settings(deadline=None)
-@given(counts, counts, counts)
-def test_proposal_round_trips(round_id, rank, tokens):
-    message = Proposal(round_id, rank, tokens)
+@given(counts, counts, counts, purposes)
+def test_proposal_round_trips(round_id, rank, tokens, purpose):
+    message = Proposal(round_id, rank, tokens, purpose)
     assert decode(encode(message)) == message
 
 
 @settings(deadline=None)
-@given(counts, counts, ranks)
-def test_decision_round_trips(round_id, tokens, missing):
-    message = Decision(round_id, tokens, missing)
+@given(counts, counts, ranks, ranks, purposes)
+def test_decision_round_trips(round_id, tokens, missing, mismatched, purpose):
+    message = Decision(round_id, tokens, missing, mismatched, purpose)
     assert decode(encode(message)) == message
 
 
 @settings(deadline=None)
-@given(counts, counts, st.booleans())
-def test_vote_round_trips(round_id, rank, ok):
-    message = Vote(round_id, rank, ok)
+@given(counts, counts, st.booleans(), purposes)
+def test_vote_round_trips(round_id, rank, ok, purpose):
+    message = Vote(round_id, rank, ok, purpose)
     assert decode(encode(message)) == message
 
 
 @settings(deadline=None)
-@given(counts, st.booleans(), ranks)
-def test_outcome_round_trips(round_id, commit, missing):
-    message = Outcome(round_id, commit, missing)
+@given(counts, st.booleans(), ranks, ranks, purposes)
+def test_outcome_round_trips(round_id, commit, missing, mismatched, purpose):
+    message = Outcome(round_id, commit, missing, mismatched, purpose)
     assert decode(encode(message)) == message
+
+
+TAG_FIELDS = {"Proposal": {"purpose": ""}, "Vote": {"purpose": ""}, "Decision": {"mismatched": (), "purpose": ""},
+              "Outcome": {"mismatched": (), "purpose": ""}}
 
 
 def _packed(**fields):
-    return msgpack.packb(fields, use_bin_type=True)
+    """A hand-packed message; its round tag fields are well-formed unless the case sets them."""
+    return msgpack.packb({**TAG_FIELDS.get(fields.get("type"), {}), **fields}, use_bin_type=True)
 
 
 @pytest.mark.parametrize("data, reason", [
@@ -73,6 +80,11 @@ def _packed(**fields):
     (_packed(type="Decision", round_id=1, tokens=5, missing=3), "Decision.missing must be a tuple"),
     (_packed(type="Decision", round_id=1, tokens=5, missing=["a"]), "Decision.missing[] must be an int"),
     (_packed(type="Outcome", round_id=1, commit=True, missing=(1,), x=b"\x00"), "not a msgpack message"),
+    (_packed(type="Outcome", round_id=1, commit=True, missing=(), mismatched=(-1,)),
+     "Outcome.mismatched[] must be >= 0"),
+    (_packed(type="Vote", round_id=1, rank=1, ok=True, purpose=7), "Vote.purpose must match"),
+    (_packed(type="Proposal", round_id=1, rank=1, tokens=5, purpose="agree view"), "Proposal.purpose must match"),
+    (_packed(type="Decision", round_id=1, tokens=5, missing=(), purpose="x" * 33), "Decision.purpose must match"),
     (b"\x90" * 5000, "exceeds 4096 bytes"),
 ])
 def test_malformed_bytes_are_rejected_with_the_reason(data, reason):
@@ -105,7 +117,8 @@ plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) 
 
 @settings(deadline=None)
 @given(st.sampled_from(["Proposal", "Decision", "Vote", "Outcome", "x"]),
-       st.dictionaries(st.sampled_from(["round_id", "rank", "tokens", "ok", "commit", "missing", "y"]), plain))
+       st.dictionaries(st.sampled_from(["round_id", "rank", "tokens", "ok", "commit", "missing", "mismatched",
+                                        "purpose", "y"]), plain))
 def test_arbitrary_maps_decode_to_a_message_or_malformed(kind, fields):
     try:
         message = decode(msgpack.packb({"type": kind, **fields}, use_bin_type=True))

@@ -6,12 +6,19 @@ moves expert pages. Rank 0 leads: it binds a ZMQ ROUTER socket in a private ipc 
 node) or on TCP with CURVE authentication (`--nnodes > 1`, see `tcp`), the followers connect DEALER
 sockets named after their rank (either side may start first). A round is
 
-    n = ctl.agree_min(round_id, tokens_i_can_add)   # phase 0: leader takes the minimum, broadcasts it
-    ok = remap(n) if n else True                     # each rank tries exactly n
-    if not ctl.all_ok(round_id, ok): roll_back()     # phase 1: commit only if every rank succeeded
+    n = ctl.agree_min(round_id, tokens_i_can_add, purpose)  # phase 0: leader takes the minimum, broadcasts it
+    ok = remap(n) if n else True                             # each rank tries exactly n
+    if not ctl.all_ok(round_id, ok): roll_back()             # phase 1: commit only if every rank succeeded
 
 Call `all_ok` after every `agree_min` on every rank, also when n is 0, so the call sequence is the
 same everywhere whatever happened.
+
+A round is its id and its purpose (the call site holding it, named by the caller). A rank whose
+control flow strayed (it skipped a round, or held one the others did not) can hold another call
+under the same id: the leader then finds the purposes differ, and that round fails on every rank
+that held it (0, then "roll back"), at once and with the same line logged everywhere, so one rank's
+remap is never committed by another rank's answer to a different question. Realigning the ids
+afterwards is the caller's (see `rounds`: ids restart from the replicated tick).
 
 Time-outs never lead to a partial remap. The leader waits `timeout_s` for the followers; a missing
 or malformed answer makes the decision 0 (or the outcome "roll back") for everyone, and every rank
@@ -23,7 +30,8 @@ the others commit; that needs a leader stalled between receiving the votes and s
 
 Round ids must increase from call to call. A message for an older round or phase is discarded and
 logged, never applied to a newer one; one for a later round (a rank that skipped ahead) is kept
-until that round starts. Not thread-safe: one controller per scheduler process.
+until that round starts, and its purpose is checked then. Not thread-safe: one controller per
+scheduler process.
 """
 
 import logging
@@ -48,6 +56,7 @@ from vamp_sglang.controller.messages import (
     Vote,
     decode,
     encode,
+    is_purpose,
 )
 from vamp_sglang.controller.tcp import TcpChannel, TcpEndpoint
 
@@ -56,6 +65,7 @@ logger = logging.getLogger(__name__)
 LEADER_RANK = 0
 _ROUTING_ID = re.compile(rb"rank([0-9]{1,4})")
 Stage = tuple[int, int]  # (round_id, phase); phase 0 = agree_min, 1 = all_ok
+Answers = tuple[dict[int, Message], dict[int, str]]  # this round's message by sender; another round's purpose by sender
 
 
 def _routing_id(rank: int) -> bytes:
@@ -92,6 +102,7 @@ class RankController:
         _check_count("group_id", group_id)
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
         self._last_stage: Stage = (-1, 1)
+        self._purpose = ""  # of the round agree_min entered last; all_ok's messages carry it too
         self._vetoed_round: int | None = None  # a round that timed out: all_ok votes no
         self._stash: dict[tuple[Stage, int], Message] = {}  # messages for a later stage, by sender
         self._context: zmq.Context | None = None
@@ -172,29 +183,35 @@ class RankController:
         self.close()
 
     # --- the two phases ------------------------------------------------------------------------
-    def agree_min(self, round_id: int, tokens: int) -> int:
-        """The minimum of every rank's `tokens`, the same on every rank; 0 if any rank is silent."""
+    def agree_min(self, round_id: int, tokens: int, purpose: str = "") -> int:
+        """The minimum of every rank's `tokens`, the same on every rank; 0 if any rank is silent or
+        held another `purpose` under this round id."""
         _check_count("tokens", tokens)
+        if not is_purpose(purpose):
+            raise ValueError(f"purpose must be a short call-site name [a-z0-9_./-] (got {purpose!r:.40})")
         self._enter((round_id, 0))
+        self._purpose = purpose
         if self.world_size == 1:
             return tokens
         if self.is_leader:
-            proposals = self._gather((round_id, 0), self._follower_ranks(), self.timeout_s)
-            missing = tuple(r for r in self._follower_ranks() if r not in proposals)
-            common = 0 if missing else min([tokens] + [p.tokens for p in proposals.values()])
-            self._broadcast(Decision(round_id, common, missing))
-            self._note_missing(round_id, missing)
+            proposals, strays = self._gather((round_id, 0), self._follower_ranks(), self.timeout_s)
+            missing, mismatched = self._absent(proposals, strays), tuple(sorted(strays))
+            common = 0 if missing or mismatched else min([tokens] + [p.tokens for p in proposals.values()])
+            self._broadcast(Decision(round_id, common, missing, mismatched, purpose))
+            self._note_failures(round_id, missing, mismatched)
             return common
-        self._send_to_leader(Proposal(round_id, self.rank, tokens))
-        decision = self._gather((round_id, 0), (LEADER_RANK,), 2 * self.timeout_s).get(LEADER_RANK)
+        self._send_to_leader(Proposal(round_id, self.rank, tokens, purpose))
+        decisions, strays = self._gather((round_id, 0), (LEADER_RANK,), 2 * self.timeout_s)
+        decision = decisions.get(LEADER_RANK)
         if decision is None or decision.tokens > tokens:
-            reason = (f"did not answer round {round_id} within {2 * self.timeout_s:.1f} s" if decision is None else
+            reason = (self._leader_strayed(round_id, strays) if strays else
+                      f"did not answer round {round_id} within {2 * self.timeout_s:.1f} s" if decision is None else
                       f"decided {decision.tokens} tokens in round {round_id}, more than rank {self.rank} can add")
             logger.warning("vamp controller: rank 0 (leader) %s; rank %d takes 0 and vetoes the round, so no rank "
                            "keeps a remap", reason, self.rank)
             self._vetoed_round = round_id
             return 0
-        self._note_missing(round_id, decision.missing)
+        self._note_failures(round_id, decision.missing, decision.mismatched)
         return decision.tokens
 
     def all_ok(self, round_id: int, ok: bool) -> bool:
@@ -205,29 +222,37 @@ class RankController:
         vetoed = self._vetoed_round == round_id
         if self.world_size == 1:
             return ok
+        rolls_back = f"every rank rolls back round {round_id}"
         if self.is_leader:
-            votes = self._gather((round_id, 1), self._follower_ranks(), self.timeout_s)
-            missing = tuple(r for r in self._follower_ranks() if r not in votes)
+            votes, strays = self._gather((round_id, 1), self._follower_ranks(), self.timeout_s)
+            missing, mismatched = self._absent(votes, strays), tuple(sorted(strays))
             failed = (() if ok else (self.rank,)) + tuple(r for r, vote in votes.items() if not vote.ok)
-            commit = not (missing or failed or vetoed)
-            self._broadcast(Outcome(round_id, commit, missing))
-            self._log_missing(round_id, missing, "did not vote on", f"every rank rolls back round {round_id}")
+            commit = not (missing or mismatched or failed or vetoed)
+            self._broadcast(Outcome(round_id, commit, missing, mismatched, self._purpose))
+            self._log_missing(round_id, missing, "did not vote on", rolls_back)
+            self._log_mismatched(round_id, mismatched, rolls_back)
             if failed:
                 logger.info("vamp controller: %s voted no on round %d; every rank rolls back",
                             _ranks_text(tuple(sorted(failed))), round_id)
             return commit
-        self._send_to_leader(Vote(round_id, self.rank, ok and not vetoed))
-        outcome = self._gather((round_id, 1), (LEADER_RANK,), 2 * self.timeout_s).get(LEADER_RANK)
+        self._send_to_leader(Vote(round_id, self.rank, ok and not vetoed, self._purpose))
+        outcomes, strays = self._gather((round_id, 1), (LEADER_RANK,), 2 * self.timeout_s)
+        outcome = outcomes.get(LEADER_RANK)
         if outcome is None:
-            logger.warning("vamp controller: rank 0 (leader) did not send the outcome of round %d within "
-                           "%.1f s; rank %d rolls back", round_id, 2 * self.timeout_s, self.rank)
+            reason = (self._leader_strayed(round_id, strays) if strays else
+                      f"did not send the outcome of round {round_id} within {2 * self.timeout_s:.1f} s")
+            logger.warning("vamp controller: rank 0 (leader) %s; rank %d rolls back", reason, self.rank)
             return False
-        self._log_missing(round_id, outcome.missing, "did not vote on", f"every rank rolls back round {round_id}")
+        self._log_missing(round_id, outcome.missing, "did not vote on", rolls_back)
+        self._log_mismatched(round_id, outcome.mismatched, rolls_back)
         return outcome.commit
 
     # --- plumbing ------------------------------------------------------------------------------
     def _follower_ranks(self) -> tuple[int, ...]:
         return tuple(range(1, self.world_size))
+
+    def _absent(self, answered: dict[int, Message], strays: dict[int, str]) -> tuple[int, ...]:
+        return tuple(r for r in self._follower_ranks() if r not in answered and r not in strays)
 
     def _enter(self, stage: Stage) -> None:
         _check_count("round_id", stage[0])
@@ -237,30 +262,44 @@ class RankController:
         self._last_stage = stage
         self._stash = {key: m for key, m in self._stash.items() if key[0] >= stage}
 
-    def _note_missing(self, round_id: int, missing: tuple[int, ...]) -> None:
-        """A round some rank missed ends with all_ok False everywhere, whatever the callers pass."""
-        if missing:
+    def _note_failures(self, round_id: int, missing: tuple[int, ...], mismatched: tuple[int, ...]) -> None:
+        """A round some rank missed or held for another purpose ends with all_ok False everywhere,
+        whatever the callers pass."""
+        if missing or mismatched:
             self._vetoed_round = round_id
         self._log_missing(round_id, missing, "did not answer", "no remap on any rank")
+        self._log_mismatched(round_id, mismatched, "no remap on any rank")
 
     def _log_missing(self, round_id: int, missing: tuple[int, ...], verb: str, consequence: str) -> None:
         if missing:
             logger.warning("vamp controller: %s %s round %d within %.1f s; %s", _ranks_text(missing), verb,
                            round_id, self.timeout_s, consequence)
 
-    def _gather(self, stage: Stage, senders: tuple[int, ...], wait_s: float) -> dict[int, Message]:
-        """This stage's message from each sender that answers within `wait_s`, stashed ones first."""
-        got = {s: self._stash.pop((stage, s)) for s in senders if (stage, s) in self._stash}
+    def _log_mismatched(self, round_id: int, mismatched: tuple[int, ...], consequence: str) -> None:
+        if mismatched:
+            logger.warning("vamp controller: %s held another round than round %d (%r); %s", _ranks_text(mismatched),
+                           round_id, self._purpose, consequence)
+
+    def _leader_strayed(self, round_id: int, strays: dict[int, str]) -> str:
+        return f"held round {round_id} for {strays[LEADER_RANK]!r}, not {self._purpose!r}"
+
+    def _gather(self, stage: Stage, senders: tuple[int, ...], wait_s: float) -> Answers:
+        """This stage's message from each sender that answers within `wait_s`, stashed ones first; and
+        the purpose of each sender that held another round under this stage's id (no use waiting)."""
+        got: dict[int, Message] = {}
+        strays: dict[int, str] = {}
+        for sender in senders:
+            if (stage, sender) in self._stash:
+                self._file(stage, sender, self._stash.pop((stage, sender)), got, strays)
         deadline = time.monotonic() + wait_s
-        while len(got) < len(senders):
+        while len(got) + len(strays) < len(senders):
             wait_ms = math.ceil((deadline - time.monotonic()) * 1000)
             if wait_ms <= 0 or not self._socket.poll(wait_ms, zmq.POLLIN):
                 break
             received = self._receive()
             if received is not None:
-                self._file(stage, *received, got)
-        return got
-
+                self._file(stage, *received, got, strays)
+        return got, strays
     def _receive(self) -> tuple[int, Message] | None:
         """(sender rank, message) for one well-formed message addressed to this rank, else None."""
         frames = self._socket.recv_multipart(zmq.NOBLOCK)
@@ -286,7 +325,8 @@ class RankController:
             return None
         return sender, message
 
-    def _file(self, stage: Stage, sender: int, message: Message, got: dict[int, Message]) -> None:
+    def _file(self, stage: Stage, sender: int, message: Message, got: dict[int, Message],
+              strays: dict[int, str]) -> None:
         message_stage = (message.round_id, PHASE_OF[type(message)])
         name = type(message).__name__
         if message_stage < stage:
@@ -297,9 +337,13 @@ class RankController:
             if len(self._stash) >= 4 * self.world_size:  # bound memory against a runaway peer
                 self._stash.pop(next(iter(self._stash)))
             self._stash[(message_stage, sender)] = message
-        elif sender in got:
+        elif sender in got or sender in strays:
             logger.warning("vamp controller: rank %d ignored a second %s for round %d from rank %d",
                            self.rank, name, message.round_id, sender)
+        elif message.purpose != self._purpose:
+            logger.debug("vamp controller: rank %d got a %s for round %d held for %r from rank %d, not for %r",
+                         self.rank, name, message.round_id, message.purpose, sender, self._purpose)
+            strays[sender] = message.purpose
         else:
             got[sender] = message
 

@@ -3,7 +3,13 @@
 A round has two phases. Phase 0 (`agree_min`): every follower sends a `Proposal` with the KV tokens
 it can add, the leader answers with one `Decision`. Phase 1 (`all_ok`): every follower sends a
 `Vote` saying whether its remap succeeded, the leader answers with one `Outcome`. `missing` lists
-the ranks that did not answer in time, so every rank can log the same line.
+the ranks that did not answer in time, `mismatched` those that answered for another round under
+the same id, so every rank can log the same line.
+
+Every message names its round twice: `round_id` (its sequence) and `purpose` (the call site that
+holds it, e.g. "remap/offload"). Ranks whose control flow strayed can hold different calls under
+one id; the purpose tells them apart, so one rank's remap is never committed by another rank's
+answer to some other question.
 
 Decoding is strict because a message we misread could make one rank remap while another does not:
 anything that is not exactly one known message with well-typed fields raises `MalformedMessage`,
@@ -11,16 +17,22 @@ which the controller treats as no answer. No pickle: msgpack maps of plain ints,
 """
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import msgpack
 
 MAX_MESSAGE_BYTES = 4096  # a message is a few ints; anything larger is not ours
 MAX_RANKS = 1024
+PURPOSE = re.compile(r"[a-z0-9_./-]{0,32}")  # a short call-site name, never free text
 
 
 class MalformedMessage(ValueError):
     """Bytes that are not exactly one well-formed controller message; the text says what is wrong."""
+
+
+def is_purpose(value: object) -> bool:
+    return isinstance(value, str) and PURPOSE.fullmatch(value) is not None
 
 
 def _check_field(cls_name: str, name: str, kind: object, value: object) -> None:
@@ -34,6 +46,9 @@ def _check_field(cls_name: str, name: str, kind: object, value: object) -> None:
             raise MalformedMessage(f"field {where} must be an int (got {type(value).__name__})")
         if value < 0:
             raise MalformedMessage(f"field {where} must be >= 0 (got {value})")
+    elif kind is str:
+        if not is_purpose(value):
+            raise MalformedMessage(f"field {where} must match {PURPOSE.pattern} (got {value!r:.40})")
     elif kind == tuple[int, ...]:
         if not isinstance(value, tuple) or len(value) > MAX_RANKS:
             raise MalformedMessage(f"field {where} must be a tuple of ranks (got {type(value).__name__})")
@@ -60,15 +75,19 @@ class Proposal(_Message):
     round_id: int
     rank: int
     tokens: int
+    purpose: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Decision(_Message):
-    """Leader -> followers, phase 0: the common token count (0 when any rank is in `missing`)."""
+    """Leader -> followers, phase 0: the common token count (0 when any rank is in `missing` or
+    `mismatched`)."""
 
     round_id: int
     tokens: int
     missing: tuple[int, ...] = ()
+    mismatched: tuple[int, ...] = ()
+    purpose: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +97,7 @@ class Vote(_Message):
     round_id: int
     rank: int
     ok: bool
+    purpose: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,8 @@ class Outcome(_Message):
     round_id: int
     commit: bool
     missing: tuple[int, ...] = ()
+    mismatched: tuple[int, ...] = ()
+    purpose: str = ""
 
 
 Message = Proposal | Decision | Vote | Outcome
