@@ -6,6 +6,7 @@ boundary: both ranks wait for each other there (as SGLang's collectives make the
 replicated tick to n. Time-outs are 0.2 s; no assertion is about elapsed time.
 """
 
+import logging
 import shutil
 import threading
 from collections.abc import Callable
@@ -140,3 +141,22 @@ def test_a_purpose_is_a_short_call_site_name_checked_on_one_rank_too():
         for bad in ("Offload", "agree/view", "x" * 30):
             with pytest.raises(ValueError, match="purpose must be a short call-site name"):
                 rounds.agree(3, purpose=bad)
+
+
+# --- item 9: all_equal backs off like agree -------------------------------------------------------
+def test_all_equal_holds_no_round_during_the_back_off_after_a_missed_round(caplog):
+    """Before, all_equal held its round during the back-off, so with a rank lost every state-slot
+    shortfall's fingerprint check waited out the time-outs."""
+    ipc_dir = make_private_ipc_dir()
+    try:
+        with RankController(0, 2, ipc_dir, TIMEOUT_S) as alone, caplog.at_level(logging.WARNING):
+            rounds = RankRounds(alone, lambda: 0)  # rank 1 never starts
+            assert rounds.agree(5) == 0 and rounds.blocked
+            held = rounds.round_id
+            assert rounds.all_equal(5) is False
+            assert rounds.round_id == held
+            assert caplog.text.count("rank 1 did not answer round") == 1
+            assert rounds.all_equal(5, despite_backoff=True) is False  # a caller may still opt in
+            assert rounds.round_id > held
+    finally:
+        shutil.rmtree(ipc_dir)

@@ -15,7 +15,8 @@ This adds what the decision layer needs around a bare round:
   a round every rank answered ends the back-off (every rank saw that too);
 - `remap(proposal, apply, undo)`: agree on min(proposal), apply it everywhere, and undo unless every
   rank succeeded; the undo is retried and never fault-injected (it compensates, it is no new remap);
-- `all_equal(value)`: whether every rank holds the same value (a fingerprint check);
+- `all_equal(value)`: whether every rank holds the same value (a fingerprint check); False, with
+  no round, during the back-off, like `agree`;
 - `VAMP_SGLANG_FAULT=agree-timeout:P`: this rank enters a round too late for it, as a stalled rank would.
 On one rank every call answers at once with no socket traffic.
 """
@@ -85,11 +86,14 @@ class RankRounds:
         self.blocked_until_step = 0  # every rank answered, and all saw the same outcome
         return agreed
 
-    def all_equal(self, value: int, purpose: str = "") -> bool:
-        """Whether every rank holds `value` (False too when a rank missed the round)."""
+    def all_equal(self, value: int, purpose: str = "", despite_backoff: bool = False) -> bool:
+        """Whether every rank holds `value`: False too when a rank missed the round, and, without a
+        round, during the back-off (with a rank lost, each check would wait out the time-outs)."""
         tag = _tag("equal", purpose)
         if not self.several:
             return True
+        if self.blocked and not despite_backoff:
+            return False
         round_id, lowest = self._agree_min(value, tag)
         return self.controller.all_ok(round_id, lowest == value)
 
