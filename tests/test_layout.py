@@ -111,3 +111,16 @@ def test_geometry_sparse_step_and_errors():
         geometry_from_config({k: v for k, v in QWEN3_30B.items() if k != "num_experts"}, 1, "bfloat16")
     with pytest.raises(GeometryError, match="dtype"):
         geometry_from_config(QWEN3_30B, 1, "int3")
+
+
+def test_fused_shared_experts_stay_above_the_offloadable_groups():
+    """Issue 19 item 6: SGLang stores fused shared experts as the last local experts; the groups are
+    counted from the top of the routed experts below them, and VAMP-r is a fraction of the routed ones."""
+    plain, fused = layout(local_experts=16), layout(local_experts=17, fused_shared_experts=1)
+    assert (fused.routed_experts, fused.groups_per_layer, fused.bound_groups) == (16, 4, 2)
+    assert fused.bound_groups == plain.bound_groups
+    assert [fused.boundary_expert(n) for n in range(3)] == [16, 12, 8]
+    assert fused.offload_ratio(2) == plain.offload_ratio(2) == 0.5
+    assert fused.groups_for_ratio(0.25) == 1 and fused.always_resident_experts == 1
+    with pytest.raises(LayoutError, match="fused_shared_experts"):
+        layout(fused_shared_experts=16)

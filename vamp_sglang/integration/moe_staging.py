@@ -121,6 +121,15 @@ def _check_layer(layer: Any, reference: Any, device: torch.device) -> None:
                                         f"{reference.layer_id}'s {tuple(ref.shape)} {ref.dtype} or is strided")
         if t.device.type != device.type:
             raise ExpertConversionError(f"{where}: {name} is on {t.device}, the page backend serves {device}")
+    if fused_shared_experts(layer) != fused_shared_experts(reference):
+        raise ExpertConversionError(f"{where}: {fused_shared_experts(layer)} fused shared experts, layer "
+                                    f"{reference.layer_id} has {fused_shared_experts(reference)}")
+
+
+def fused_shared_experts(layer: Any) -> int:
+    """The shared experts SGLang fused into this FusedMoE: its last local rows, after the routed ones
+    (fused_moe_triton/layer.py:416, weight loader :1212-1225), selected by every token; never offloaded."""
+    return int(getattr(layer, "num_fused_shared_experts", 0) or 0)
 
 
 def splits_w2_wait(layers: list[Any], device: torch.device) -> bool:
@@ -146,7 +155,8 @@ def compute_layout(layers: list[Any], granularity_bytes: int, max_offload_ratio:
         moe_layer_ids=[m.layer_id for m in layers], local_experts=int(w13.shape[0]),
         w13_shard_bytes=w13[0].numel() * w13.element_size(), w2_shard_bytes=w2[0].numel() * w2.element_size(),
         granularity_bytes=granularity_bytes, max_offload_ratio=max_offload_ratio,
-        staging_capacity_shards=int(w13.shape[0]))  # the ratio bounds staging (both slots are allocated)
+        staging_capacity_shards=int(w13.shape[0]),  # the ratio bounds staging (both slots are allocated)
+        fused_shared_experts=fused_shared_experts(layers[0]))
 
 
 def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ratio: float,
@@ -178,7 +188,8 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
 
         copier = GatherCopier(stores)
     engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
-                           staging=staging_policy, top_k=int(layers[0].top_k), routed_copier=copier)
+                           staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
+                           routed_copier=copier)
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
                         {s.w2.data_ptr(): s.layer_id for s in stores})
 

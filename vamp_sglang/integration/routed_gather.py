@@ -50,6 +50,7 @@ class GatherCopier:
 
     def __call__(self, store: ExpertStore, topk_ids: torch.Tensor) -> torch.Tensor:
         hosts, gpus, row_bytes, src, dst, count = self._plans[store.layer_id]
-        device_copy_list(topk_ids, store.boundary_expert, store.w13.shape[0], host_offset(store), src, dst, count)
+        device_copy_list(topk_ids, store.boundary_expert, store.routed_experts, host_offset(store), src, dst,
+                         count)
         self._gather(hosts, gpus, row_bytes, src, dst, count)
         return count

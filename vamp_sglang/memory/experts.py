@@ -9,11 +9,13 @@ Design chosen (aliasing): the offloaded virtual range is not left empty. Each of
 onto the matching page of this layer's staging slot (slot = eligible-layer parity), so the tensor
 `w13[E, 2I, H]` / `w2[E, H, I]` keeps ONE fixed address for every expert: resident experts read their
 own pages, offloaded experts read the staging pages, and the MoE kernel (or a captured CUDA graph) runs
-unchanged. Staging slot page s backs region page (pages - bound_pages + s) in every layer of that
-parity, so the index arithmetic of a slot and of the host copy is the same.
+unchanged. Staging slot page s backs region page (routed_end_page - bound_pages + s) in every layer of
+that parity, so the index arithmetic of a slot and of the host copy is the same.
 
-Groups are counted from the top (layout.py), so a region may start with a pad: the tensor begins at
-`base + pad_bytes` and its end is page aligned. No SGLang import: the glue passes plain tensors and
+Groups are counted from the top of the routed experts (layout.py), so a region may start with a pad:
+the tensor begins at `base + pad_bytes` and the end of its routed experts is page aligned. Fused shared
+experts (SGLang's, stored after the routed ones) sit on pages of their own above that end, which never
+leave. No SGLang import: the glue passes plain tensors and
 assigns `store.w13` / `store.w2` to the layer.
 """
 
@@ -33,13 +35,17 @@ class PagedWeight:
     """One expert weight `[E, *shard_shape]` over a reservation, one page per handle."""
 
     def __init__(self, backend: PageBackend, original: torch.Tensor, group_pages: int, bound_groups: int,
-                 alias_pages: Sequence[PageHandle], host_arena: HostArena) -> None:
+                 alias_pages: Sequence[PageHandle], host_arena: HostArena, routed_experts: int) -> None:
+        """The offloadable pages end where the first `routed_experts` rows end; the rows above them
+        (fused shared experts) get pages of their own that stay mapped."""
         gran = backend.granularity_bytes
         experts = original.shape[0]
         self.backend = backend
         self.shard_bytes = original[0].numel() * original.element_size()
-        self.pages = -(-experts * self.shard_bytes // gran)
-        self.pad_bytes = self.pages * gran - experts * self.shard_bytes
+        self.routed_experts = routed_experts
+        self.routed_end_page = -(-routed_experts * self.shard_bytes // gran)
+        self.pad_bytes = self.routed_end_page * gran - routed_experts * self.shard_bytes
+        self.pages = self.routed_end_page + -(-(experts - routed_experts) * self.shard_bytes // gran)
         self.group_pages = group_pages
         self.bound_pages = bound_groups * group_pages
         if len(alias_pages) != self.bound_pages:
@@ -63,8 +69,8 @@ class PagedWeight:
             self.tensor.copy_(original)
             rows = host_rows(bound_groups, group_pages, gran, self.shard_bytes)
             flat = host_arena.take(rows * self.shard_bytes)
-            self.host = flat.view(original.dtype).view(rows, *original.shape[1:])  # experts [E - rows, E)
-            self.host.copy_(original[experts - rows:])
+            self.host = flat.view(original.dtype).view(rows, *original.shape[1:])  # experts [R - rows, R)
+            self.host.copy_(original[routed_experts - rows:routed_experts])
         except BaseException:
             self.close()
             raise
@@ -97,7 +103,7 @@ class PagedWeight:
 
     def copy_from_host(self, first_expert: int, end_expert: int) -> None:
         """Write experts [first, end) back from the host copy (restore: new pages hold KV bytes)."""
-        offset = self.tensor.shape[0] - self.host.shape[0]
+        offset = self.routed_experts - self.host.shape[0]
         self.tensor[first_expert:end_expert].copy_(self.host[first_expert - offset:end_expert - offset])
 
     def close(self) -> None:
@@ -110,7 +116,7 @@ class PagedWeight:
         self.backend.free_reservation(self.base, self.pages * self.backend.granularity_bytes)
 
     def _slot_index(self, page: int) -> int:
-        return page - (self.pages - self.bound_pages)
+        return page - (self.routed_end_page - self.bound_pages)
 
     def _addr(self, page: int) -> int:
         return self.base + page * self.backend.granularity_bytes
@@ -150,12 +156,14 @@ class ExpertStore:
         self._own_arena = backend.host_arena(host_copy_bytes(layout, 1)) if host_arena is None else None
         arena = host_arena or self._own_arena
         try:
-            self._w13 = PagedWeight(backend, w13, layout.w13_group_pages, bound, alias_w13, arena)
+            self._w13 = PagedWeight(backend, w13, layout.w13_group_pages, bound, alias_w13, arena,
+                                    layout.routed_experts)
         except BaseException:
             self._close_own_arena()
             raise
         try:
-            self._w2 = PagedWeight(backend, w2, layout.w2_group_pages, bound, alias_w2, arena)
+            self._w2 = PagedWeight(backend, w2, layout.w2_group_pages, bound, alias_w2, arena,
+                                   layout.routed_experts)
         except BaseException:
             self._w13.close()
             self._close_own_arena()
@@ -220,11 +228,16 @@ class ExpertStore:
     def boundary_expert(self) -> int:
         return self.layout.boundary_expert(self.offloaded_groups)
 
+    @property
+    def routed_experts(self) -> int:
+        """End of the offloaded rows [boundary_expert, routed_experts); fused shared experts lie above."""
+        return self.layout.routed_experts
+
     def staging_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) copies that fill this layer's offloaded experts from the host copy:
         the destination is the tensor's own offloaded rows, which alias the staging slot (paper V-B)."""
-        b = self.boundary_expert
-        return [(w.tensor[b:], w.host[w.host.shape[0] - (w.tensor.shape[0] - b):]) for w in (self._w13, self._w2)]
+        b, end = self.boundary_expert, self.routed_experts
+        return [(w.tensor[b:end], w.host[w.host.shape[0] - (end - b):]) for w in (self._w13, self._w2)]
 
     def staged_bytes(self) -> int:
         return sum(dst.numel() * dst.element_size() for dst, _ in self.staging_pairs())
@@ -250,7 +263,7 @@ class ExpertStore:
         lo, hi = sorted((self.offloaded_groups, self.offloaded_groups + n_groups))
         out: list[PageHandle] = []
         for w in (self._w13, self._w2):
-            result = step(w, w.pages - hi * w.group_pages, w.pages - lo * w.group_pages)
+            result = step(w, w.routed_end_page - hi * w.group_pages, w.routed_end_page - lo * w.group_pages)
             out.extend(result or ())
         return out
 

@@ -7,8 +7,10 @@ offload-eligible MoE layer a low-index region stays resident and a contiguous hi
 offloaded; the boundary moves uniformly across eligible layers. The first MoE layer stays resident
 (section V-B: it has no earlier MoE computation to hide its staging copy behind).
 
-Groups are counted from the TOP of the expert range (experts [E - G*g, E)), so E need not be a multiple
-of g: the leading E mod g experts simply never leave. Both w13 and w2 slices of a group must be whole
+Groups are counted from the TOP of the routed expert range (experts [R - G*g, R)), so R need not be a
+multiple of g: the leading R mod g experts simply never leave. R is E less the fused shared experts:
+where SGLang fuses a model's shared expert into the MoE kernel (Qwen3-Next on CUDA) it stores it as the
+last local expert(s) and every token selects it, so those rows stay resident above the groups. Both w13 and w2 slices of a group must be whole
 pages, because the two weights live in separate tensors (separate reservations).
 
 Pure arithmetic: no torch, so the planner and the benchmark can use it without a model.
@@ -38,11 +40,12 @@ class ExpertLayout:
     group_experts: int  # g
     groups_per_layer: int  # G = E // g, counted from the top of the expert range
     bound_groups: int  # max offloadable groups per eligible layer
+    fused_shared_experts: int = 0  # the top local experts: SGLang's fused shared experts, never offloaded
 
     @classmethod
     def compute(cls, moe_layer_ids: list[int] | tuple[int, ...], local_experts: int, w13_shard_bytes: int,
                 w2_shard_bytes: int, granularity_bytes: int, max_offload_ratio: float,
-                staging_capacity_shards: int) -> ExpertLayout:
+                staging_capacity_shards: int, fused_shared_experts: int = 0) -> ExpertLayout:
         ids = tuple(int(i) for i in moe_layer_ids)
         _check(len(ids) > 0, "moe_layer_ids", ids, "must name at least one MoE layer")
         _check(list(ids) == sorted(set(ids)), "moe_layer_ids", ids, "must be strictly increasing")
@@ -52,14 +55,18 @@ class ExpertLayout:
         _check(0.0 <= max_offload_ratio < 1.0, "max_offload_ratio", max_offload_ratio, "must be in [0, 1)")
         _check(isinstance(staging_capacity_shards, int) and staging_capacity_shards >= 0,
                "staging_capacity_shards", staging_capacity_shards, "must be a non-negative integer")
+        _check(isinstance(fused_shared_experts, int) and 0 <= fused_shared_experts < local_experts,
+               "fused_shared_experts", fused_shared_experts, f"must be an integer in [0, {local_experts})")
         g = group_experts_for(w13_shard_bytes, w2_shard_bytes, granularity_bytes)
-        groups = local_experts // g
-        # Paper IV-C offloading bound: the staging slot's capacity, tightened by VAMP-r; never all groups
-        # (floor(r*E/g) < E/g because r < 1). No eligible layer (a single MoE layer) means no offload.
-        by_ratio = math.floor(max_offload_ratio * local_experts / g + 1e-9)
+        routed = local_experts - fused_shared_experts
+        groups = routed // g
+        # Paper IV-C offloading bound: the staging slot's capacity, tightened by VAMP-r of the routed
+        # experts; never all groups (floor(r*R/g) < R/g because r < 1). No eligible layer (a single MoE
+        # layer) means no offload.
+        by_ratio = math.floor(max_offload_ratio * routed / g + 1e-9)
         bound = min(staging_capacity_shards // g, by_ratio, groups) if len(ids) > 1 else 0
         return cls(ids, local_experts, w13_shard_bytes, w2_shard_bytes, granularity_bytes,
-                   float(max_offload_ratio), staging_capacity_shards, g, groups, bound)
+                   float(max_offload_ratio), staging_capacity_shards, g, groups, bound, fused_shared_experts)
 
     # ---- layers ------------------------------------------------------------------------------------
 
@@ -99,8 +106,13 @@ class ExpertLayout:
         return self.pages_freed_per_group * self.granularity_bytes
 
     @property
+    def routed_experts(self) -> int:
+        """R: the local experts below the fused shared ones; the offloadable groups end here."""
+        return self.local_experts - self.fused_shared_experts
+
+    @property
     def always_resident_experts(self) -> int:
-        """Low-index experts below every group (E mod g): never offloaded."""
+        """Experts no group holds, never offloaded: the low-index R mod g and the fused shared experts."""
         return self.local_experts - self.groups_per_layer * self.group_experts
 
     # ---- the residency boundary --------------------------------------------------------------------
@@ -110,19 +122,19 @@ class ExpertLayout:
                "offloaded_groups", offloaded_groups, f"must be an integer in [0, {self.bound_groups}]")
 
     def boundary_expert(self, offloaded_groups: int) -> int:
-        """First offloaded expert index: experts [0, b) resident, [b, E) offloaded."""
+        """First offloaded expert index: experts [0, b) and [R, E) resident, [b, R) offloaded."""
         self.check_offloaded_groups(offloaded_groups)
-        return self.local_experts - offloaded_groups * self.group_experts
+        return self.routed_experts - offloaded_groups * self.group_experts
 
     def offload_ratio(self, offloaded_groups: int) -> float:
-        """Fraction of each eligible layer's experts offloaded."""
+        """Fraction of each eligible layer's routed experts offloaded."""
         self.check_offloaded_groups(offloaded_groups)
-        return offloaded_groups * self.group_experts / self.local_experts
+        return offloaded_groups * self.group_experts / self.routed_experts
 
     def groups_for_ratio(self, ratio: float) -> int:
         """Most groups whose offloaded fraction stays <= `ratio`, capped at the bound."""
         _check(0.0 <= ratio <= 1.0, "ratio", ratio, "must be in [0, 1]")
-        return min(self.bound_groups, math.floor(ratio * self.local_experts / self.group_experts + 1e-9))
+        return min(self.bound_groups, math.floor(ratio * self.routed_experts / self.group_experts + 1e-9))
 
     @property
     def offloadable_experts(self) -> int:

@@ -28,8 +28,8 @@ def expected_routed_fraction(top_k: int, experts: int, tokens: int) -> float:
 
 
 def host_offset(store: ExpertStore) -> int:
-    """Expert id of host-copy row 0 (host rows hold experts [E - rows, E))."""
-    return store.w13.shape[0] - store.host_w13.shape[0]
+    """Expert id of host-copy row 0 (host rows hold experts [R - rows, R), R the routed experts)."""
+    return store.routed_experts - store.host_w13.shape[0]
 
 
 def routed_offloaded_runs(topk_ids: torch.Tensor, boundary: int, experts: int) -> list[tuple[int, int]]:

@@ -223,7 +223,7 @@ class StagingEngine:
         if self._cuda and staging != WHOLE and routed_copier is None:
             raise ValueError(f"staging {staging!r} on CUDA needs a routed_copier")
         self._routed_copier = routed_copier
-        experts = self._stores[0].w13.shape[0] if self._stores else 0
+        experts = self._stores[0].routed_experts if self._stores else 0
         self.chooser = StagingChooser(staging, top_k, experts, measure_steps=not self._cuda)
         self._step_mode, self._step_tokens, self._step_start = WHOLE, None, 0.0
         self._by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED)}
@@ -259,7 +259,7 @@ class StagingEngine:
         self._step_tokens, self._step_start = tokens, time.perf_counter()
         store = self._stores[0] if self._stores else None
         self._step_mode = WHOLE if store is None or not store.offloaded_groups else self.chooser.choose(
-            self._step, tokens, store.staged_bytes(), store.w13.shape[0] - store.boundary_expert,
+            self._step, tokens, store.staged_bytes(), store.routed_experts - store.boundary_expert,
             _row_bytes(store))
         self._by_mode[self._step_mode]["steps"] += 1
         if self._stores and self.mode == "async" and self._step_mode == WHOLE:
@@ -371,7 +371,7 @@ class StagingEngine:
             copy.w13_done, copy.reached = copy.w2_done, copy.start
         else:
             start = time.perf_counter()
-            runs = routed_offloaded_runs(topk_ids, store.boundary_expert, store.w13.shape[0])
+            runs = routed_offloaded_runs(topk_ids, store.boundary_expert, store.routed_experts)
             copy_routed_host(store, runs)
             copy.copy_s = copy.wait_s = time.perf_counter() - start
             copy.rows = sum(end - first for first, end in runs)
@@ -452,7 +452,7 @@ class StagingEngine:
     def _account(self, copy: _Copy) -> None:
         """Per-mode totals, and the staging choice's measurements, of one copy whose times were read."""
         store = self._stores[0]
-        offloaded_rows = store.w13.shape[0] - store.boundary_expert
+        offloaded_rows = store.routed_experts - store.boundary_expert
         if copy.mode == ROUTED:
             rows = int(copy.rows.item()) if isinstance(copy.rows, torch.Tensor) else copy.rows
             copy.nbytes = rows * copy.row_bytes
