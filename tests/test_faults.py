@@ -28,7 +28,7 @@ def test_probabilities_fire_as_asked_and_are_counted():
     assert always.active and always.fires("remap") and not always.fires("agree-timeout")
     with pytest.raises(InjectedFault, match="injected remap fault at the test"):
         always.check("remap", "the test")
-    assert always.fired == {"remap": 2, "agree-timeout": 0}
+    assert always.fired == {"remap": 2, "publish": 0, "agree-timeout": 0}
     sometimes = Faults.parse("remap:0.2", seed=1)
     hits = sum(sometimes.fires("remap") for _ in range(10_000))
     assert 1_700 < hits < 2_300

@@ -1,10 +1,13 @@
-"""Fault injection for tests and soak runs: `VAMP_SGLANG_FAULT=remap:P[,agree-timeout:P]`.
+"""Fault injection for tests and soak runs: `VAMP_SGLANG_FAULT=remap:P[,publish:P][,agree-timeout:P]`.
 
 A shortfall must never take the server down, whatever fails underneath it. To show that on a real
-server, two faults can be switched on, each firing with probability P in [0, 1] per event:
+server, three faults can be switched on, each firing with probability P in [0, 1] per event:
 
 - `remap:P`: each remap (offload or restore) raises inside its transaction, after the pages moved
   and just before SGLang would see the new pool size, so the whole rollback path runs;
+- `publish:P`: each remap raises at its very end, after SGLang saw the new size and the new KV rows or
+  state slots were zeroed (on pages just taken from the experts), so the rollback also takes the
+  size back from SGLang and copies those experts back from the host;
 - `agree-timeout:P`: this rank enters an agreement round too late for it (past the leader's and
   the followers' time-outs), as a stalled or lost rank would; the round then decides "no remap".
 
@@ -19,7 +22,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-KINDS = ("remap", "agree-timeout")
+KINDS = ("remap", "publish", "agree-timeout")
 
 
 class FaultSpecError(ValueError):

@@ -1,7 +1,8 @@
 """Expert memory becomes KV memory inside one SGLang scheduler process (paper IV-C, IV-D, V-A, V-B).
 
 `ExpertMemory` is the API the decision layer calls (`headroom_groups`, `tokens_for`, `offload`,
-`restorable_groups`, `restore`); each remap is a transaction of the memory layer's `Repartitioner`
+`restorable_groups`, `restore`, and `pool_sizes` before a round, `return_to` them to undo a round
+another rank refused); each remap is a transaction of the memory layer's `Repartitioner`
 whose last step publishes the new pool size to SGLang (allocator free list and every size copy), so
 a failure anywhere leaves SGLang, the KV rows and the expert bytes as they were.
 
@@ -15,7 +16,8 @@ The hooks build it in three steps, all in the scheduler process:
 2. when SGLang creates the KV buffers (and a hybrid model's state pool): they are laid over growable
    reservations (`kv_pool`, `state_pool`);
 3. `setup_scheduler`, once the scheduler exists: the `ExpertMemory` joins the VampRuntime (its
-   `stats()` feed `/vamp/stats`) and `--vamp-initial-offload-ratio` is applied.
+   `stats()` feed `/vamp/stats`); once the decision layer holds the TP ranks' agreement rounds it
+   applies `--vamp-initial-offload-ratio` through `offload_at_start`, agreed like every remap.
 With `--vamp-max-offload-ratio 0` none of this happens and every hook passes straight through.
 """
 
@@ -45,6 +47,16 @@ from vamp_sglang.memory.repartition import Repartitioner
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PoolSizes:
+    """Where the groups are and how large SGLang's pools are: what an undone round returns to exactly."""
+
+    kv_groups: int
+    state_groups: int
+    kv_tokens: int
+    state_slots: int  # 0 without a state pool
+
+
 class ExpertMemory:
     """One scheduler's expert-to-KV repartitioning, in KV tokens and expert groups per eligible layer."""
 
@@ -58,7 +70,8 @@ class ExpertMemory:
         self.experts, self.pool, self.allocator = experts, pool, allocator
         self.states, self.tree_cache = states, tree_cache
         self.last_restore = (0, 0)  # (KV groups, state groups) the last restore brought back
-        self._state_target: int | None = None  # the state pool size the running offload publishes
+        self._state_target: int | None = None  # the state pool size the running remap publishes
+        self._slots_at_start = 0  # the state pool size when the running remap began (what a rollback restores)
         self._publish, self._quiesce = publish, quiesce
         self.layout = experts.layout
         self.faults: Faults = NONE  # VAMP_SGLANG_FAULT=remap:P makes the transaction fail here
@@ -120,11 +133,7 @@ class ExpertMemory:
     def undo_state_offload(self, n_groups: int) -> None:
         """Transaction: take back `n_groups` of the state pool's groups (another rank failed the offload)."""
         self._check_groups("n_groups", n_groups, self.repartitioner.state_groups)
-        self._state_target = self.states.slots
-        try:
-            self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=self.pool_tokens, state_first=True))
-        finally:
-            self._state_target = None
+        self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=self.pool_tokens, state_first=True))
 
     def restorable_groups(self) -> int:
         """Groups that can come back now: the KV tail ids they would take are all free, and the state
@@ -150,11 +159,7 @@ class ExpertMemory:
         from_state = max(n_groups - self.repartitioner.kv_groups, 0)
         if from_state:
             self.states.compact(self.tree_cache, self._slots_after_restore(n_groups))
-            self._state_target = self.states.slots  # what a rollback gives SGLang back
-        try:
-            self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
-        finally:
-            self._state_target = None
+        self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
         self.last_restore = (n_groups - from_state, from_state)
         return old - new
 
@@ -166,6 +171,31 @@ class ExpertMemory:
             self.offload(kv_groups, self.tokens_for(kv_groups))
         if state_groups:
             self.offload_state(state_groups, self.slots_for(state_groups))
+
+    def pool_sizes(self) -> PoolSizes:
+        return PoolSizes(self.repartitioner.kv_groups, self.repartitioner.state_groups, self.pool_tokens,
+                         self.states.slots if self.states is not None else 0)
+
+    def return_to(self, sizes: PoolSizes) -> None:
+        """Transactions back to exactly `sizes` (`pool_sizes()` before a round another rank refused): the
+        groups the round moved go back to the pools they came from, and each pool takes the size it had,
+        not the largest its groups allow. A retry after a failure goes on from where that one stopped."""
+        rep = self.repartitioner
+        extra_state, extra_kv = rep.state_groups - sizes.state_groups, rep.kv_groups - sizes.kv_groups
+        if extra_state > 0:
+            self._state_target = sizes.state_slots
+            try:
+                self._remap(lambda: rep.restore(extra_state, pool_tokens=self.pool_tokens, state_first=True))
+            finally:
+                self._state_target = None
+        if extra_kv > 0:
+            self._remap(lambda: rep.restore(extra_kv, pool_tokens=sizes.kv_tokens))
+        if extra_kv < 0:
+            self.offload(-extra_kv, sizes.kv_tokens - self.pool_tokens)
+        if extra_state < 0:
+            self.offload_state(-extra_state, sizes.state_slots - self.states.slots)
+        if self.pool_sizes() != sizes:
+            raise KVShrinkError(f"could not return to {sizes}: the pools are at {self.pool_sizes()}")
 
     def state_restore_view(self, n_groups: int) -> tuple[int, int, int]:
         """(state slots in use, the state pool size once `n_groups` are back, cached states the tree could
@@ -207,6 +237,7 @@ class ExpertMemory:
 
     def _remap(self, move: Callable[[], int]) -> None:
         self._quiesce()
+        self._slots_at_start = self.states.slots if self.states is not None else 0
         start = time.perf_counter()
         try:
             move()
@@ -224,6 +255,7 @@ class ExpertMemory:
             raise KVShrinkError(f"pool size {new} does not fit the {new_rows} mapped rows")
         try:
             self._resize_sglang(old, new)
+            self.faults.check("publish", "the end of a remap transaction, after SGLang saw the new pool size")
         except BaseException:
             self._resize_sglang(self.pool_tokens, old, zero_new_rows=False)  # then the pages move back
             raise
@@ -237,13 +269,21 @@ class ExpertMemory:
         self.size_snapshots = self._publish()
 
     def _on_state_resize(self, old_rows: int, new_rows: int, rollback: bool) -> None:
-        """A state remap's publish step: SGLang's state pool takes the offload's agreed size, or on a
-        restore (and a rollback) the size the mapped rows allow (raising here rolls the remap back;
-        a rollback itself is never fault-injected)."""
-        if not rollback:
-            self.faults.check("remap", "the state pool resize of a remap transaction")
-        target = self._state_target if self._state_target is not None and new_rows > old_rows else new_rows - 1
-        self.states.resize(min(target, new_rows - 1))
+        """A state remap's publish step: SGLang's state pool takes the size the remap names (an offload's
+        agreed size, an undo's size before the round), else the size the mapped rows allow; a rollback
+        gives it back the size it had when the remap began. Raising here rolls the remap back, after
+        SGLang's pool is as before; a rollback itself is never fault-injected."""
+        if rollback:
+            self.states.resize(self._slots_at_start)
+            return
+        self.faults.check("remap", "the state pool resize of a remap transaction")
+        target = new_rows - 1 if self._state_target is None else min(self._state_target, new_rows - 1)
+        try:
+            self.states.resize(target)
+            self.faults.check("publish", "the end of a state remap, after SGLang saw the new state pool size")
+        except BaseException:
+            self.states.resize(self._slots_at_start)  # then the pages move back
+            raise
 
     def _slots_after_restore(self, n_groups: int) -> int:
         """The state pool size once `n_groups` groups are back (the KV pool's come back first)."""
@@ -344,7 +384,8 @@ def _around_invoke_fused_moe_kernel(original: Callable, *args: Any, **kwargs: An
 
 
 def setup_scheduler(scheduler: Any, runtime: Any) -> None:
-    """Create this scheduler's ExpertMemory, hand it to the runtime, apply the initial offload."""
+    """Create this scheduler's ExpertMemory and hand it to the runtime (the initial offload waits for the
+    decision layer's agreement rounds: `offload_at_start`)."""
     if _process is None:
         return
     if _process.pool is None:
@@ -363,11 +404,22 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
     scheduler.vamp_expert_memory = runtime.expert_memory = memory
     runtime.extensions.append(memory)
-    n = memory.layout.groups_for_ratio(runtime.config.initial_offload_ratio)
-    if n:
-        memory.offload(n, memory.tokens_for(n))
-    logger.info("vamp: KV pool %d tokens (%d at start, up to %d); %d groups offloaded at start",
-                memory.pool_tokens, _process.pool.baseline_tokens, memory.stats()["kv_pool"]["max_tokens"], n)
+
+
+def offload_at_start(memory: ExpertMemory, rounds: Any, ratio: float) -> int:
+    """`--vamp-initial-offload-ratio`, agreed like every remap (`rounds`, the decision layer's RankRounds,
+    once the TP ranks' controller exists): every rank offloads the ratio's groups and grows its pool by
+    the smallest gain of any rank, or no rank does (the server then starts without it). Returns the
+    KV tokens added."""
+    groups = rounds.agree(memory.layout.groups_for_ratio(ratio))
+    before = memory.pool_sizes()
+    added = rounds.remap(memory.tokens_for(groups), lambda tokens: memory.offload(groups, tokens),
+                         lambda: memory.return_to(before)) if groups else 0
+    logger.log(logging.INFO if added or not groups else logging.WARNING,
+               "vamp: KV pool %d tokens (%d at start, up to %d); %d groups offloaded at start (%d asked for)",
+               memory.pool_tokens, memory.pool.baseline_tokens, memory.stats()["kv_pool"]["max_tokens"],
+               memory.offloaded_groups, groups)
+    return added
 
 
 def _no_op() -> None:

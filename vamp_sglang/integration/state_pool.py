@@ -68,8 +68,7 @@ class GrowableStatePool:
         for k, tensor in enumerate(state_tensors(self.mamba_pool)):
             buffers.view_into(tensor, k, self.baseline_slots + 1)
             tensor.zero_()
-        for name in _CACHED:  # they were built over the tensors SGLang allocated
-            self.mamba_pool.__dict__.pop(name, None)
+        _drop_cached(self.mamba_pool)
 
     @property
     def slots(self) -> int:
@@ -144,13 +143,32 @@ class GrowableStatePool:
         return out
 
 
+def _drop_cached(mamba_pool: Any) -> None:
+    for name in _CACHED:  # they were built over the tensors SGLang allocated
+        mamba_pool.__dict__.pop(name, None)
+
+
+def release_state_tensors(mamba_pool: Any) -> None:
+    """Give the device memory of SGLang's state tensors back to the driver before their pages are
+    created again: SGLang sized the KV pool with these bytes counted once, and the KV buffers' pages
+    (`cuMemCreate`) cannot use blocks torch's caching allocator keeps (issue 19 item 4)."""
+    _drop_cached(mamba_pool)
+    tensors = state_tensors(mamba_pool)
+    for tensor in tensors:
+        tensor.set_()  # the same object, empty: nothing holds SGLang's allocation any more
+    if any(t.device.type == "cuda" for t in tensors):
+        torch.cuda.empty_cache()
+
+
 def lay_state_pool_over_growable(req_to_token_pool: Any, backend: PageBackend,
                                  layout: ExpertLayout) -> GrowableStatePool:
-    """Re-point SGLang's state tensors at reservations that can hold the whole offload bound's pages."""
+    """Re-point SGLang's state tensors at reservations that can hold the whole offload bound's pages,
+    built after SGLang's own allocation went back to the driver (the pool starts zeroed, as SGLang's)."""
     mamba_pool = req_to_token_pool.mamba_pool
     check_state_pool(mamba_pool)
     kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in state_tensors(mamba_pool)]
     layers, rows = int(mamba_pool.mamba_cache.temporal.shape[0]), int(mamba_pool.size) + 1
+    release_state_tensors(mamba_pool)
     gran = backend.granularity_bytes
     budget = pages_for(kinds, layers, gran, rows) + layout.bound_groups * layout.pages_freed_per_group
     most = rows + budget * gran // min(k.slot_bytes for k in kinds)  # a cap rows_for_pages never reaches

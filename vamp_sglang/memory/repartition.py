@@ -5,7 +5,8 @@ leave the expert tensors (whose offloaded range then reads the staging slot), jo
 K and V buffer in equal shares, and the pool grows. `restore(n)` is the reverse and needs the dropped
 KV rows to be free. Either call changes everything or nothing: every page move is recorded in one
 journal and a failure anywhere (a map that fails half-way, the allocator refusing the new size) undoes
-all of them, so no KV row in use and no expert byte is lost.
+all of them, so no KV row in use and no expert byte is lost: the pages an offload lent to the pools
+were zeroed or written there, so its rollback copies those experts back from the host copy.
 
 Freed pages that do not split evenly over the K/V buffers are kept spare (at most n_buffers - 1 pages)
 and used first by the next offload or restore; the pool size is therefore a function of the number of
@@ -144,6 +145,8 @@ class Repartitioner:
         start = self._quiesce()
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
+            # undone last: the pages are back under the experts by then, holding zeroed KV rows or slots
+            j.record(lambda: self._refill_from_host(old + n_groups, old))
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
             pool = self._spare + freed
             if to_state:
@@ -219,6 +222,14 @@ class Repartitioner:
         buffers (or back), over the transaction's wall time."""
         self.remap_s += time.perf_counter() - start
         self.remapped_bytes += n_groups * self.layout.bytes_freed_per_group
+
+    def _refill_from_host(self, offloaded_groups: int, resident_from: int) -> None:
+        """A rolled-back offload: the experts whose pages it lent out read their host copy again."""
+        first, end = self.layout.boundary_expert(offloaded_groups), self.layout.boundary_expert(resident_from)
+        for store in self.stores:
+            for tensor, host in ((store.w13, store.host_w13), (store.w2, store.host_w2)):
+                skip = tensor.shape[0] - host.shape[0]  # the host copy holds the offloadable tail only
+                tensor[first:end].copy_(host[first - skip:end - skip])
 
     def _state_rows_gained(self, n_groups: int) -> int:
         return self.state_rows_at(self._state_groups + n_groups) - self.state_rows_at(self._state_groups)
