@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker  # noqa: F401 (fixtures)
+from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker, on_both, two_ranks  # noqa: F401
 from tests.test_integration_memory import H, moe_outputs, router_outputs, sglang_moe, vamp  # noqa: F401
 from vamp_sglang.config import VampConfig
 from vamp_sglang.integration import decision_hooks, radix, runtime, step_measurements
@@ -175,3 +175,87 @@ def test_a_busy_restore_moves_rows_only_after_the_forward_run_batch_launched(mak
         maker.scheduler.forward_ct += 1
     assert journal == ["schedule_stream waits for forward_stream", "compact"]
     assert maker.memory.offloaded_groups < 2 and dm.runtime.decisions["restore"] == 1
+
+
+def test_the_guard_charges_a_decode_step_only_what_it_waited_for_staging(maker, vamp, monkeypatch):  # noqa: F811
+    """Issue 19.11: the cost per group was a step's excess over a baseline taken while nothing was
+    offloaded, never refreshed: a bigger batch or a prefill chunk in between was charged to the experts.
+    Now it is what the decode forward waited for its staging copies, through the run_batch hook."""
+    import dataclasses
+
+    maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
+    dm = maker.make()
+    memory, guard = maker.memory, dm.measurements.guard
+    clock = [0.0]
+    monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
+    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1), schedule_stream=None)
+    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    idle_forward = lambda s, b: None  # nothing offloaded, nothing staged
+    for _ in range(10):  # 30 ms steps with everything resident
+        decision_hooks._around_run_batch(idle_forward, maker.scheduler, decode)
+        clock[0] += 0.030
+    memory.offload(1, memory.tokens_for(1))
+    g = torch.Generator().manual_seed(5)
+    x, topk = torch.randn(16, H, generator=g), router_outputs(g, 16)
+    waits_ms = []
+    for _ in range(3):  # 300 ms steps: the batch grew, staging did not get slower
+        before_s = float(memory.experts.engine.stats().wait_s)
+        decision_hooks._around_run_batch(lambda s, b: moe_outputs(vamp.layers, vamp.experts, x, topk),
+                                         maker.scheduler, decode)
+        waits_ms.append((float(memory.experts.engine.stats().wait_s) - before_s) * 1e3)
+        clock[0] += 0.300
+    expected_ms = waits_ms[0]
+    for wait_ms in waits_ms[1:]:  # the guard's moving mean
+        expected_ms += guard.smoothing * (wait_ms - expected_ms)
+    assert guard.ms_per_group == pytest.approx(expected_ms) and expected_ms < 50.0
+    assert not guard.wants_restore()
+
+
+def test_the_guard_cap_is_agreed_each_time_a_decision_evaluates_it(two_ranks):  # noqa: F811
+    """Issue 19.11: the cap was agreed once per 256 steps and reused, so a cap agreed while decode was
+    fast let offloads go on after a rank's decode slowed. Two ranks over real ipc sockets."""
+    from vamp_sglang.integration.plan_inputs import PlanInputs
+    from vamp_sglang.policy.tpot_guard import TpotGuard
+
+    rounds, step = two_ranks
+    memory = SimpleNamespace(headroom_groups=lambda: 4, tokens_for=lambda groups: 100 * groups)
+    guards = [TpotGuard(100.0, smoothing=1.0) for _ in range(2)]
+    inputs = [PlanInputs(memory, rounds[rank], VampConfig(tpot_slo_ms=100.0), SimpleNamespace(guard=guards[rank]),
+                         lambda: step.now, 2) for rank in range(2)]
+    on_both(rounds, lambda rank, r: inputs[rank].refresh_view())
+    for guard in guards:
+        guard.observe_decode_step(50.0, 0)
+        guard.observe_staging(1, 10.0)  # 50 + 10 n <= 90: four groups
+    assert on_both(rounds, lambda rank, r: inputs[rank].guard_cap_groups()) == [4, 4]
+    guards[1].observe_decode_step(65.0, 0)  # rank 1's decode slowed: two groups there
+    step.now += 1
+    assert on_both(rounds, lambda rank, r: inputs[rank].guard_cap_groups()) == [2, 2]
+    assert [i.guard_cap_groups(may_agree=False) for i in inputs] == [2, 2]  # stats read the last agreement
+
+
+def test_an_over_slo_restore_leaves_the_running_requests_reservations_free(maker, monkeypatch):  # noqa: F811
+    """Issue 19.11: the busy restore passes the running batch's decode reservations and the chunked
+    prefill's next chunk to the plan, and the smaller pool keeps them free."""
+    import dataclasses
+
+    from sglang.srt.environ import envs
+
+    from tests.test_decisions import request
+
+    maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
+    dm = maker.make()
+    memory = maker.memory
+    memory.offload(2, memory.tokens_for(2))
+    dm.inputs.refresh_view()
+    held = maker.alloc.alloc(maker.alloc.available_size() - 40)
+    cache_prompts(maker, 4, 10)  # the pool's last rows, cached
+    maker.alloc.free(held)
+    maker.scheduler.running_batch.reqs = [request(9), request(9)]
+    vars(maker.scheduler).update(chunked_req=object(), chunked_prefill_size=16)
+    monkeypatch.setattr(dm.measurements.guard, "wants_restore", lambda: True)
+    dm.restorer.maybe_restore()
+    restore = [d for d in dm.log.recent() if d["site"] == "restore"][-1]
+    reserve = 2 * int(envs.SGLANG_RETRACT_DECODE_STEPS.get()) + 16
+    assert restore["restore_state"]["reserve_tokens"] == reserve
+    assert restore["outcome"]["restored_groups"] > 0
+    assert maker.alloc.available_size() >= reserve

@@ -49,3 +49,16 @@ def test_a_state_pool_restore_evicts_the_states_the_smaller_pool_cannot_hold_onl
     blocked = plan(idle=True, idle_s=IDLE_RESTORE_S, **{**hybrid, "evictable_states": 290})  # requests hold 10
     assert (blocked.groups, blocked.evict_states) == (0, 0)
     assert plan(idle=True, idle_s=IDLE_RESTORE_S, **{**hybrid, "used_state_slots": 5}).evict_states == 0
+
+
+def test_a_busy_restore_leaves_the_running_batchs_reservations_free():
+    """Issue 19.11: over the SLO a restore evicted down to exactly the smaller pool, so the running
+    requests' next decode tokens and a chunked prefill's next chunk met a full pool: a shortfall at
+    once, which offloaded the experts again."""
+    p = plan(tpot_over_slo=True, used_tokens=5900, reserve_tokens=600)
+    assert (p.groups, p.evict_tokens, p.compact) == (4, 500, True)
+    tail = plan(tpot_over_slo=True, used_tokens=5900, reserve_tokens=600, tail_free=True)
+    assert (tail.groups, tail.evict_tokens, tail.compact) == (4, 500, False) and "compact" not in tail.reason
+    assert plan(calm_steps=100, used_tokens=5900, reserve_tokens=600).groups == 0  # a calm restore never evicts
+    assert plan(tpot_over_slo=True, used_tokens=5900, reserve_tokens=3000).groups == 0  # 2900 > 2500 evictable
+    assert plan(tpot_over_slo=True, used_tokens=5000, reserve_tokens=600).evict_tokens == 0

@@ -28,15 +28,15 @@ def test_projection_adds_the_measured_staging_cost_per_group():
     guard.observe_staging(staged_groups=4, staging_ms=20)  # 5 ms a group
     assert guard.ms_per_group == 5
     assert guard.projected_tpot_ms(0) == 60 and guard.projected_tpot_ms(8) == 100
-    assert guard.allows_offload(8) and not guard.allows_offload(9)
+    assert guard.allows_offload(6) and not guard.allows_offload(7)  # 90 ms is the offload margin's edge
 
 
 def test_prior_cost_until_a_measurement_replaces_it():
     guard = TpotGuard(slo_ms=100, smoothing=1.0, prior_ms_per_group=10)
     guard.observe_decode_step(70, 0)
-    assert guard.allows_offload(3) and not guard.allows_offload(4)
+    assert guard.allows_offload(2) and not guard.allows_offload(3)
     guard.observe_staging(3, 6)  # measured: 2 ms a group
-    assert guard.ms_per_group == 2 and guard.allows_offload(15) and not guard.allows_offload(16)
+    assert guard.ms_per_group == 2 and guard.allows_offload(10) and not guard.allows_offload(11)
 
 
 def test_already_over_the_slo_rules_out_any_offload():
@@ -48,6 +48,7 @@ def test_already_over_the_slo_rules_out_any_offload():
 
 def test_restore_wanted_only_after_patience_steps_over_the_slo_while_offloaded():
     guard = TpotGuard(slo_ms=50, smoothing=1.0, patience_steps=3)
+    guard.observe_staging(4, 40)  # 10 ms a group: 80 ms steps are 40 ms without staging
     for _ in range(2):
         guard.observe_decode_step(80, 4)
     assert not guard.wants_restore()
@@ -63,10 +64,36 @@ def test_restore_wanted_only_after_patience_steps_over_the_slo_while_offloaded()
 
 def test_a_boundary_change_restarts_the_patience_count():
     guard = TpotGuard(slo_ms=50, smoothing=1.0, patience_steps=2)
+    guard.observe_staging(4, 40)
     guard.observe_decode_step(80, 8)
     guard.observe_decode_step(80, 4)  # the caller restored 4 groups
     assert not guard.wants_restore()
     guard.observe_decode_step(80, 4)
+    assert guard.wants_restore()
+
+
+def test_a_step_slow_for_another_reason_never_asks_for_a_restore():
+    """Issue 19.11: a prefill chunk between decode steps, or a bigger batch, made every step count as
+    over the SLO while anything was offloaded, and the restore it asked for evicts: more prefill."""
+    guard = TpotGuard(slo_ms=50, smoothing=1.0, patience_steps=2)
+    guard.observe_staging(4, 4)  # staging costs 1 ms a group: 4 ms of an 80 ms step
+    for _ in range(10):
+        guard.observe_decode_step(80, 4)
+    assert not guard.wants_restore()
+    guard.observe_staging(4, 120)  # now the copies are what the step waits on (smoothing 1: 30 ms a group)
+    for _ in range(2):
+        guard.observe_decode_step(80, 4)
+    assert guard.wants_restore()
+
+
+def test_between_the_offload_margin_and_the_slo_neither_offload_nor_restore_happens():
+    """Issue 19.11: the hysteresis band. An offload stops short of the SLO and a restore starts above
+    it, so the step time one of them leads to does not at once call for the other."""
+    guard = TpotGuard(slo_ms=100, smoothing=1.0, patience_steps=1)
+    guard.observe_staging(2, 10)  # 5 ms a group
+    guard.observe_decode_step(95, 2)
+    assert not guard.allows_offload(0) and not guard.wants_restore()
+    guard.observe_decode_step(101, 2)
     assert guard.wants_restore()
 
 
@@ -87,7 +114,8 @@ def test_stats_carry_what_the_decision_log_needs():
 
 @pytest.mark.parametrize("kwargs", [{"slo_ms": 0}, {"slo_ms": -1}, {"slo_ms": math.inf}, {"slo_ms": math.nan},
                                     {"slo_ms": 10, "smoothing": 0}, {"slo_ms": 10, "smoothing": 1.5},
-                                    {"slo_ms": 10, "patience_steps": 0},
+                                    {"slo_ms": 10, "patience_steps": 0}, {"slo_ms": 10, "offload_below": 0},
+                                    {"slo_ms": 10, "offload_below": 1.2},
                                     {"slo_ms": 10, "prior_ms_per_group": -1}])
 def test_bad_settings_are_refused_naming_them(kwargs):
     bad = [k for k in kwargs if k != "slo_ms"] or ["slo_ms"]
@@ -114,5 +142,5 @@ def test_allows_offload_is_exactly_the_projection_inside_the_slo(steps, smoothin
     for step in steps:
         guard.observe_decode_step(step, 0)
     assert min(steps) - 1e-6 <= guard.step_ms <= max(steps) + 1e-6
-    assert guard.allows_offload(n) == (guard.step_ms + 1.5 * n <= slo)
+    assert guard.allows_offload(n) == (guard.step_ms + 1.5 * n <= 0.9 * slo)
     assert all(guard.allows_offload(m) for m in range(n)) or not guard.allows_offload(n)

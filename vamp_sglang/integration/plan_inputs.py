@@ -7,7 +7,9 @@ alike as long as every input that is local is agreed first:
   only "all the headroom at once", at the agreed minimum of its gain;
 - the calibrated coefficients t_prefill, c_reload and t_queue (Eqs. 2-4): timings differ by rank, so
   the ranks take the agreed minimum, re-agreed every COEFFICIENT_AGREE_STEPS steps;
-- the TPOT guard's cap on the groups one decision may offload (its timings are local too).
+- the TPOT guard's cap on the groups one decision may offload (its timings are local too), agreed
+  each time a decision evaluates it: a cap agreed while decode was fast let offloads go on after it
+  slowed, and restores and offloads took turns.
 The headroom is withheld for OFFLOAD_RETRY_STEPS steps after a failed offload (the vote that failed
 it was seen by every rank, so the back-off is replicated) and for good once this rank could not
 undo a remap (its pool differs from the others').
@@ -60,8 +62,7 @@ class PlanInputs:
         self.view = NO_HEADROOM
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
-        self._guard_cap: int | None = None  # the guard's cap agreed by the ranks (several ranks only)
-        self._guard_cap_at_step = 0
+        self._guard_cap: int | None = None  # the guard's cap last agreed by the ranks (several ranks only)
 
     @property
     def several_ranks(self) -> bool:
@@ -96,8 +97,9 @@ class PlanInputs:
 
     def guard_cap_groups(self, may_agree: bool = True) -> int | None:
         """The most groups the TPOT guard lets one decision offload now (None: no guard). Timings differ
-        by rank, so several ranks agree on the cap every COEFFICIENT_AGREE_STEPS steps; `may_agree`
-        False (a stats request, outside the replicated schedule) reads the last agreed cap."""
+        by rank, so several ranks agree on the cap each time it is evaluated (decisions and admission
+        reach this at the same points on every rank); `may_agree` False (a stats request, outside the
+        replicated schedule) reads the last agreed cap."""
         guard = self.measurements.guard
         if guard is None:
             return None
@@ -105,11 +107,8 @@ class PlanInputs:
         local = next((n for n in range(headroom, 0, -1) if guard.allows_offload(n)), 0)
         if not self.several_ranks:
             return local
-        if not may_agree:
-            return self._guard_cap
-        step = self.step_fn()
-        if self._guard_cap is None or step - self._guard_cap_at_step >= COEFFICIENT_AGREE_STEPS:
-            self._guard_cap, self._guard_cap_at_step = self.rounds.agree(local), step
+        if may_agree:
+            self._guard_cap = self.rounds.agree(local)
         return self._guard_cap
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:

@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from vamp_sglang.integration import compaction
-from vamp_sglang.integration.plan_inputs import COEFFICIENT_AGREE_STEPS
 from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
 
 logger = logging.getLogger(__name__)
@@ -66,8 +65,8 @@ class RestoreTrigger:
             self.calm_steps = self.calm_steps + 1 if calm(free, memory.pool_tokens, keep_tokens,
                                                         runtime.baseline_tokens) else 0
             over_slo = guard is not None and guard.wants_restore()
-            if rounds.several and guard is not None:
-                over_slo = runtime.step % COEFFICIENT_AGREE_STEPS == 0 and bool(rounds.agree(int(over_slo)))
+            if rounds.several and guard is not None:  # timings differ by rank: agreed once per patience
+                over_slo = runtime.step % guard.patience_steps == 0 and bool(rounds.agree(int(over_slo)))
             if over_slo:
                 guard.restored()  # one attempt, then patience again
             elif self.calm_steps < config.restore_after_steps:
@@ -81,7 +80,8 @@ class RestoreTrigger:
             evictable_tokens=int(scheduler.tree_cache.evictable_size()), baseline_tokens=runtime.baseline_tokens,
             tail_free=memory.restorable_groups() >= groups,
             can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens),
-            used_state_slots=used_states, keep_state_slots=keep_states, evictable_states=evictable_states)
+            used_state_slots=used_states, keep_state_slots=keep_states, evictable_states=evictable_states,
+            reserve_tokens=running_reserve_tokens(scheduler))
         chosen = plan_restore(state)
         if not chosen.groups:  # the decision log records attempts only: say why there was none
             logger.debug("vamp: no restore at step %d: %s", runtime.step, chosen.reason)
@@ -126,3 +126,15 @@ def _after_the_launched_forward(scheduler: Any) -> None:
     (`_apply_war_barrier`, scheduler.py:2023). Without overlap the forward ran on this stream already."""
     if getattr(scheduler, "enable_overlap", False):
         scheduler.schedule_stream.wait_stream(scheduler.forward_stream)
+
+
+def running_reserve_tokens(scheduler: Any) -> int:
+    """Rows a busy restore leaves free for the running batch: SGLang's retraction buffer of
+    SGLANG_RETRACT_DECODE_STEPS decode tokens per running request (what `retract_decode` keeps for each
+    request it lets run, sglang/srt/managers/schedule_batch.py:2391), and, while a prefill is chunked,
+    its next chunk (at most `chunked_prefill_size`). Replicated on every rank, as the schedule is."""
+    from sglang.srt.environ import envs
+
+    decode_tokens = len(scheduler.running_batch.reqs) * int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
+    chunked = getattr(scheduler, "chunked_req", None) is not None
+    return decode_tokens + (int(scheduler.chunked_prefill_size or 0) if chunked else 0)

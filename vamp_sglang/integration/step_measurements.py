@@ -5,7 +5,7 @@ Paper section V calibrates the cost model online; here each forward feeds
 - c_eff (Eq. 3): the staging engine's wait per offloaded shard in the forward that just ran;
 - t_queue (Eq. 4): from SGLang's retraction of a request to its re-admission;
 - the TPOT guard: the interval from one decode step to the next (prefill chunks in between included),
-  and the staging cost per offloaded group it projects with.
+  and what staging cost that decode step: its wait for the staging copies, per offloaded group.
 These are local timings; plan_inputs.py agrees them across ranks before a plan uses them.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from vamp_sglang.integration.prefill_timing import PrefillTimer
 from vamp_sglang.policy import Coefficients
-from vamp_sglang.policy.calibration import Calibrator, smooth
+from vamp_sglang.policy.calibration import Calibrator
 from vamp_sglang.policy.tpot_guard import TpotGuard
 
 
@@ -30,7 +30,6 @@ class StepMeasurements:
         self.guard = TpotGuard(config.tpot_slo_ms) if config.tpot_slo_ms else None
         self._staging_wait_seen_s = 0.0  # the staging engine's total wait at the last forward
         self._last_decode_start_s: float | None = None  # TPOT guard: start of the previous decode step
-        self._resident_step_ms: float | None = None  # TPOT guard: smoothed step time with nothing offloaded
         self._retracted_at: dict[str, float] = {}  # rid -> when SGLang retracted it (t_queue, Eq. 4)
 
     def prefills_completed(self) -> None:
@@ -39,32 +38,25 @@ class StepMeasurements:
             self.calibrator.observe_prefill(tokens, seconds)
 
     def after_forward(self, decode: bool) -> None:
-        """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V);
-        and, for the TPOT guard, the staging copy time per offloaded group until a marginal exists."""
+        """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V); and,
+        for the TPOT guard, what a decode step waited for its copies. Only that wait is attributed to
+        offloading (issue 19.11): a baseline of step times taken while nothing was offloaded went stale
+        as the batch grew, and charged every slower step to the experts."""
         staging = self.memory.experts.engine.stats()
         wait_s = float(staging.wait_s)
         waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
         groups = self.memory.offloaded_groups
         if groups:
             self.calibrator.observe_staging(groups * self.memory.layout.group_experts, waited_s)
-        if self.guard is not None and decode and groups and self._resident_step_ms is None:
-            self.guard.observe_staging(groups, float(staging.step_copy_s) * 1e3)
+            if self.guard is not None and decode:
+                self.guard.observe_staging(groups, waited_s * 1e3)
 
     def before_decode_step(self) -> None:
-        """TPOT as a running request sees it: the time from one decode step to the next (prefill
-        chunks in between included), for the guard. The staging cost per group the guard projects
-        with is the step time's excess over steps with nothing offloaded: copies hidden behind
-        compute cost nothing, and copies that steal compute (the host path on few cores) cost what
-        they steal, which the copy time alone does not show."""
+        """TPOT as a running request sees it, for the guard: the time from one decode step to the next
+        (prefill chunks in between included)."""
         now = time.perf_counter()
-        groups = self.memory.offloaded_groups
         if self.guard is not None and self._last_decode_start_s is not None:
-            step_ms = (now - self._last_decode_start_s) * 1e3
-            self.guard.observe_decode_step(step_ms, groups)
-            if groups == 0:
-                self._resident_step_ms = smooth(self._resident_step_ms, step_ms)
-            elif self._resident_step_ms is not None:
-                self.guard.observe_staging(groups, max(step_ms - self._resident_step_ms, 0.0))
+            self.guard.observe_decode_step((now - self._last_decode_start_s) * 1e3, self.memory.offloaded_groups)
         self._last_decode_start_s = now
 
     def idle(self) -> None:

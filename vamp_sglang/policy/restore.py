@@ -12,7 +12,10 @@ functions of a `RestoreState` so every restore is logged and replayed like a sho
   which come every second with --sleep-on-idle and thousands of times a second without it).
 In the last two, the cached prefixes that do not fit the smaller pool are evicted cheapest first.
 A restore goes ahead only if that and compaction free every row it drops (no running request may
-hold a tail row), so no prefix is evicted for a restore that cannot happen.
+hold a tail row), so no prefix is evicted for a restore that cannot happen. A busy restore also
+leaves `reserve_tokens` free in the smaller pool: the running requests' decode reservations and a
+chunked prefill's next chunk; without them the very next step would be a shortfall that offloads
+the experts again (or retracts).
 
 On a hybrid model a restore past the KV pool's groups shrinks the linear-attention state pool: the
 cached states that do not fit the smaller state pool are evicted (SGLang's LRU order) under the same
@@ -45,6 +48,7 @@ class RestoreState:
     used_state_slots: int = 0  # hybrid models: state slots in use (requests and cached states)
     keep_state_slots: int = 0  # the state pool size once the step is back (= its size if it keeps it)
     evictable_states: int = 0  # cached states the tree could evict now
+    reserve_tokens: int = 0  # rows the running batch needs free after a busy restore (decode, next chunk)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -85,15 +89,18 @@ def plan_restore(s: RestoreState) -> RestorePlan:
         why = f"calm for {s.calm_steps} steps"
     else:
         return RestorePlan(0, 0, False, f"calm for {s.calm_steps} of {s.restore_after_steps} steps")
-    if s.tail_free:
+    fits_reserve = s.used_tokens + s.reserve_tokens <= s.keep_tokens
+    if s.tail_free and fits_reserve:
         return RestorePlan(groups, 0, False, f"{why}, tail free")
-    if not s.can_compact:
+    if not s.tail_free and not s.can_compact:
         return RestorePlan(0, 0, False, f"{why}, but running requests hold tail rows (or the pool is paged)")
-    evict_tokens = max(s.used_tokens - s.keep_tokens, 0)
+    evict_tokens = max(s.used_tokens + s.reserve_tokens - s.keep_tokens, 0)
     evict_states = max(s.used_state_slots - s.keep_state_slots, 0)
     if evict_tokens > s.evictable_tokens or evict_states > s.evictable_states:
         return RestorePlan(0, 0, False, f"{why}, but the smaller pool cannot hold what must stay")
     if (evict_tokens or evict_states) and not (s.idle or s.tpot_over_slo):
         return RestorePlan(0, 0, False, f"{why}, but a calm restore never evicts")
     states = f", {evict_states} states" if evict_states else ""
-    return RestorePlan(groups, evict_tokens, True, f"{why}: evict {evict_tokens}{states}, compact", evict_states)
+    compact = "" if s.tail_free else ", compact"
+    return RestorePlan(groups, evict_tokens, not s.tail_free, f"{why}: evict {evict_tokens}{states}{compact}",
+                       evict_states)

@@ -8,12 +8,16 @@ re-prefill, but knows no latency target. The guard does:
 - measure the decode step time online (an exponentially weighted mean of what the caller times:
   the integration takes the interval from one decode step to the next, prefill chunks in between
   included), which is the TPOT a running request sees;
-- measure the staging cost per offloaded group (the step's staging copy time over the groups it
-  staged), smoothed the same way, or start from a prior (bytes per group / copy bandwidth);
-- project the TPOT after offloading n more groups as step time + n x cost per group, as if the
-  extra copies were not hidden at all (conservative), and refuse an offload that would exceed the SLO;
-- ask for a restore when the smoothed step time stays above the SLO for `patience_steps` decode
-  steps in a row while experts are offloaded.
+- measure what staging costs a decode step per offloaded group: the time the step stood waiting
+  for its staging copies, over the groups it staged (smoothed the same way; a prior until then).
+  Only that is attributed to offloading: a step slowed by a prefill chunk or a bigger batch is not;
+- project the TPOT after offloading n more groups as step time + n x cost per group, and allow an
+  offload only while that stays under `offload_below` x SLO;
+- ask for a restore when the smoothed step time stays above the SLO itself for `patience_steps`
+  decode steps in a row while experts are offloaded, and only if the staging cost explains the
+  excess (without it the step would be inside the SLO): restoring experts cannot fix a step that
+  is slow for another reason, and its evictions would add prefill. The band between the two
+  thresholds is the hysteresis that keeps offload and restore from taking turns.
 
 Pure Python (no torch, no SGLang): the integration layer feeds it and asks it.
 """
@@ -33,6 +37,7 @@ class TpotGuard:
     slo_ms: float  # --vamp-tpot-slo-ms
     smoothing: float = 0.2  # weight of the newest measurement in each moving mean
     patience_steps: int = 16  # decode steps over the SLO, while offloaded, before a restore is wanted
+    offload_below: float = 0.9  # an offload must keep the projected TPOT under this fraction of the SLO
     prior_ms_per_group: float | None = None  # staging cost per group before any is measured
     _step_ms: float | None = field(default=None, init=False)
     _ms_per_group: float | None = field(default=None, init=False)
@@ -43,6 +48,8 @@ class TpotGuard:
         _positive("slo_ms", self.slo_ms)
         if not 0.0 < self.smoothing <= 1.0:
             raise TpotGuardError(f"smoothing must be in (0, 1] (got {self.smoothing!r})")
+        if not 0.0 < self.offload_below <= 1.0:
+            raise TpotGuardError(f"offload_below must be in (0, 1] (got {self.offload_below!r})")
         if not isinstance(self.patience_steps, int) or self.patience_steps < 1:
             raise TpotGuardError(f"patience_steps must be a positive integer (got {self.patience_steps!r})")
         if self.prior_ms_per_group is not None:
@@ -59,12 +66,13 @@ class TpotGuard:
         if offloaded_groups != self._offloaded_groups:
             self._offloaded_groups, self._over_slo_steps = offloaded_groups, 0
         self._step_ms = self._mean(self._step_ms, step_ms)
-        over = offloaded_groups > 0 and self._step_ms > self.slo_ms
+        staging_ms = offloaded_groups * (self.ms_per_group or 0.0)
+        over = offloaded_groups > 0 and self._step_ms > self.slo_ms >= self._step_ms - staging_ms
         self._over_slo_steps = self._over_slo_steps + 1 if over else 0
 
     def observe_staging(self, staged_groups: int, staging_ms: float) -> None:
-        """One step's staging copies took `staging_ms` for `staged_groups` offloaded groups (per
-        eligible layer; the copies of every eligible layer together)."""
+        """One decode step stood `staging_ms` waiting for the staging copies of `staged_groups`
+        offloaded groups (per eligible layer; the waits of every eligible layer together)."""
         _non_negative("staging_ms", staging_ms)
         if not isinstance(staged_groups, int) or staged_groups < 1:
             raise TpotGuardError(f"staged_groups must be a positive integer (got {staged_groups!r})")
@@ -91,14 +99,14 @@ class TpotGuard:
         return self._step_ms + n_groups * (self.ms_per_group or 0.0)
 
     def allows_offload(self, n_groups: int) -> bool:
-        """False when the projected TPOT after offloading `n_groups` more would exceed the SLO. Before any
-        decode step is measured there is nothing to project from, and an offload is allowed."""
+        """False when the projected TPOT after offloading `n_groups` more would pass `offload_below` x SLO.
+        Before any decode step is measured there is nothing to project from, and an offload is allowed."""
         projected = self.projected_tpot_ms(n_groups)
-        return projected is None or projected <= self.slo_ms
+        return projected is None or projected <= self.offload_below * self.slo_ms
 
     def wants_restore(self) -> bool:
-        """True when the measured TPOT has stayed above the SLO for `patience_steps` decode steps while
-        experts were offloaded: the caller restores one step of groups (cheapest prefixes evicted only
+        """True when the measured TPOT has stayed above the SLO, by no more than the staging cost, for
+        `patience_steps` decode steps while experts were offloaded: the caller restores one step of groups (cheapest prefixes evicted only
         as far as needed) and reports it with `restored()`."""
         return self._over_slo_steps >= self.patience_steps
 
