@@ -125,7 +125,7 @@ def test_one_failed_remap_rolls_back_every_rank_and_the_next_round_commits(tmp_p
 # --- a round held for another purpose -------------------------------------------------------------
 def test_a_rank_holding_another_purpose_fails_the_round_on_every_rank_at_once_and_the_next_agrees(tmp_path):
     # Rank 1's control flow strayed: under round 1 it checks a fingerprint while ranks 0 and 2 agree on
-    # a view. The leader starts late, so rank 1's proposal waits in its stash and is checked there.
+    # a view. The leader starts late: every proposal is queued before it enters round 1.
     scripts = {rank: _agree_then_ok([(1, tokens, True, "agree/view"), (2, tokens, True, "agree/idle")])
                for rank, tokens in ((0, 100), (2, 70))}
     scripts[0] = [("sleep", 0.3)] + scripts[0]
@@ -139,6 +139,27 @@ def test_a_rank_holding_another_purpose_fails_the_round_on_every_rank_at_once_an
         assert _logged(outs[rank], "rank 1 held another round than round 1 ('agree/view'); every rank rolls back")
     assert _logged(outs[1], "rank 0 (leader) held round 1 for 'agree/view', not 'equal/view'; rank 1 takes 0")
     assert _logged(outs[1], "rank 0 (leader) held round 1 for 'agree/view', not 'equal/view'; rank 1 rolls back")
+
+
+def test_a_proposal_kept_for_a_later_round_is_checked_for_its_purpose_when_that_round_starts(caplog):
+    ipc_dir = make_private_ipc_dir()
+    context = zmq.Context()
+    follower = _raw_socket(context, zmq.DEALER, ROUTING_ID=b"rank1")
+    try:
+        with RankController(0, 2, ipc_dir, TIMEOUT_S) as leader, caplog.at_level(logging.WARNING):
+            follower.connect("ipc://" + leader_socket_path(ipc_dir, 0))
+            follower.send(encode(Proposal(1, 1, 30, "agree/view")))
+            follower.send(encode(Proposal(2, 1, 20, "equal/view")))  # read in round 1, kept for round 2
+            assert leader.agree_min(1, 100, "agree/view") == 30
+            follower.send(encode(Vote(1, 1, True, "agree/view")))
+            assert leader.all_ok(1, True) is True
+            assert leader.agree_min(2, 100, "agree/idle") == 0
+            assert [decode(follower.recv()) for _ in range(3)][2] == Decision(2, 0, (), (1,), "agree/idle")
+            assert "rank 1 held another round than round 2 ('agree/idle'); no remap on any rank" in caplog.text
+            assert "did not answer" not in caplog.text  # it did not wait out the time-out
+    finally:
+        context.destroy(linger=0)
+        shutil.rmtree(ipc_dir)
 
 
 # --- time-outs ----------------------------------------------------------------------------------
