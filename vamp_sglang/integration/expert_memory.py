@@ -411,10 +411,10 @@ def offload_at_start(memory: ExpertMemory, rounds: Any, ratio: float) -> int:
     once the TP ranks' controller exists): every rank offloads the ratio's groups and grows its pool by
     the smallest gain of any rank, or no rank does (the server then starts without it). Returns the
     KV tokens added."""
-    groups = rounds.agree(memory.layout.groups_for_ratio(ratio))
+    groups = rounds.agree(memory.layout.groups_for_ratio(ratio), purpose="start-offload")
     before = memory.pool_sizes()
     added = rounds.remap(memory.tokens_for(groups), lambda tokens: memory.offload(groups, tokens),
-                         lambda: memory.return_to(before)) if groups else 0
+                         lambda: memory.return_to(before), purpose="start-offload") if groups else 0
     logger.log(logging.INFO if added or not groups else logging.WARNING,
                "vamp: KV pool %d tokens (%d at start, up to %d); %d groups offloaded at start (%d asked for)",
                memory.pool_tokens, memory.pool.baseline_tokens, memory.stats()["kv_pool"]["max_tokens"],
