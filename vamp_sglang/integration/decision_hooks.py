@@ -144,6 +144,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     from vamp_sglang.controller import RankController
+    from vamp_sglang.integration.expert_memory import offload_at_start
 
     memory = runtime.expert_memory
     if memory is None:
@@ -152,5 +153,8 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     controller = RankController.from_env(parallel.tp_rank, parallel.tp_size)
     hf_config = scheduler.model_config.hf_config
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or getattr(hf_config, "top_k", 2))
-    runtime.decision_maker = DecisionMaker(runtime, memory, controller, top_k, runtime.faults)
-    runtime.extensions.append(runtime.decision_maker)
+    maker = runtime.decision_maker = DecisionMaker(runtime, memory, controller, top_k, runtime.faults)
+    if runtime.config.initial_offload_ratio:  # agreed like every remap, so it needs the maker's rounds
+        offload_at_start(memory, maker.rounds, runtime.config.initial_offload_ratio)
+        maker.inputs.refresh_view()
+    runtime.extensions.append(maker)

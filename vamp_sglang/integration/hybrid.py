@@ -12,7 +12,7 @@ of `HybridReqToTokenPool`; a shortfall of state slots never passes through `evic
 module is the decision point there (paper IV-B, in state slots): with VAMP on, the same planner
 prices the two ways to cover the n slots short, in slots instead of tokens:
 - evict: the states SGLang would drop, in its order, each at C_c (Eq. 2) of the KV it makes no
-  match reach (`radix.state_eviction_candidates`);
+  match reach (`radix_eviction.state_eviction_candidates`);
 - offload: the fewest groups whose pages give the state pool n slots (`ExpertMemory.slots_for`,
   state_pool.py lays the state tensors over growable buffers), at C_o (Eq. 3);
 - combined: offload what stays below n, evict the rest. Preempting is not an option here: SGLang
@@ -106,7 +106,7 @@ class StatePool:
 
     def _decide(self, gap: int) -> int:
         """Plan the shortfall (in slots) and carry out its offload; returns the slots added."""
-        from vamp_sglang.integration import radix
+        from vamp_sglang.integration import radix_eviction
 
         maker = self._maker()
         memory = maker.memory if maker is not None else None
@@ -120,7 +120,7 @@ class StatePool:
                 free = int(self.req_to_token_pool.mamba_allocator.available_size())
                 snapshot = Snapshot(
                     site="prefill", gap_tokens=gap, free_tokens=free,
-                    evictable=tuple(radix.state_eviction_candidates(self.tree_cache, gap)),
+                    evictable=tuple(radix_eviction.state_eviction_candidates(self.tree_cache, gap)),
                     offload=maker.offload_state(view, None), preempt=(), retract_buffer_tokens=0,
                     observed_hit_rate=self.runtime.ledger.hit_rate,
                     coefficients=maker.inputs.coefficients().as_overrides(),
@@ -152,7 +152,7 @@ class StatePool:
         memory = maker.memory
         headroom = maker.inputs.offer().headroom_groups  # 0 while offloading is backed off or blocked
         local = tuple(memory.slots_for(n) for n in range(1, headroom + 1))
-        if not maker.rounds.all_equal(zlib.crc32(repr(local).encode()) & 0x7FFFFFFF):
+        if not maker.rounds.all_equal(zlib.crc32(repr(local).encode()) & 0x7FFFFFFF, purpose="state-view"):
             return ()
         return local
 

@@ -76,9 +76,9 @@ class PlanInputs:
         headroom = self.memory.headroom_groups()
         local = tuple(self.memory.tokens_for(n) for n in range(1, headroom + 1))
         fingerprint = zlib.crc32(repr((headroom, local)).encode()) & 0x7FFFFFFF
-        if not self.rounds.all_equal(fingerprint):
-            groups = self.rounds.agree(headroom)
-            total = self.rounds.agree(self.memory.tokens_for(groups) if groups else 0)
+        if not self.rounds.all_equal(fingerprint, purpose="view"):
+            groups = self.rounds.agree(headroom, purpose="view-groups")
+            total = self.rounds.agree(self.memory.tokens_for(groups) if groups else 0, purpose="view-tokens")
             logger.warning("vamp: TP ranks differ in KV gain per expert group; offering only %d groups "
                            "at once (%d tokens)", groups, total)
             self.view = OffloadView(groups, (0,) * (groups - 1) + (total,) if groups else ())
@@ -108,7 +108,7 @@ class PlanInputs:
         if not self.several_ranks:
             return local
         if may_agree:
-            self._guard_cap = self.rounds.agree(local)
+            self._guard_cap = self.rounds.agree(local, purpose="guard")
         return self._guard_cap
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:
@@ -125,7 +125,7 @@ class PlanInputs:
         step = self.step_fn()
         if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:
             ns = {name: self.rounds.agree(int(getattr(measured, name) * 1e9),  # a missed round: configured
-                                          fallback=int(getattr(self.base_coefficients, name) * 1e9))
+                                          fallback=int(getattr(self.base_coefficients, name) * 1e9), purpose=name)
                   for name in ("t_prefill_s", "c_reload_s", "t_queue_s")}
             agreed = dataclasses.replace(measured, **{name: v / 1e9 for name, v in ns.items()})
             self._agreed = dataclasses.replace(agreed, t_prefill_s=max(agreed.t_prefill_s, 1e-9))

@@ -57,7 +57,7 @@ class RestoreTrigger:
                     return
                 self.next_idle_check *= 2
             # held even during the rounds' back-off: the doubling poll counts are this check's own
-            idle_s = rounds.agree(int((now - self.idle_since) * 1000), despite_backoff=True) / 1000
+            idle_s = rounds.agree(int((now - self.idle_since) * 1000), despite_backoff=True, purpose="idle") / 1000
             if idle_s < IDLE_RESTORE_S:
                 return
         else:
@@ -66,7 +66,7 @@ class RestoreTrigger:
                                                         runtime.baseline_tokens) else 0
             over_slo = guard is not None and guard.wants_restore()
             if rounds.several and guard is not None:  # timings differ by rank: agreed once per patience
-                over_slo = runtime.step % guard.patience_steps == 0 and bool(rounds.agree(int(over_slo)))
+                over_slo = runtime.step % guard.patience_steps == 0 and bool(rounds.agree(int(over_slo), purpose="slo"))
             if over_slo:
                 guard.restored()  # one attempt, then patience again
             elif self.calm_steps < config.restore_after_steps:
@@ -86,7 +86,7 @@ class RestoreTrigger:
         if not chosen.groups:  # the decision log records attempts only: say why there was none
             logger.debug("vamp: no restore at step %d: %s", runtime.step, chosen.reason)
         self.calm_steps = 0  # one attempt per calm period, restored or not
-        proposal = rounds.agree(chosen.groups)  # go ahead only if every rank can
+        proposal = rounds.agree(chosen.groups, purpose="restore")  # go ahead only if every rank can
         if proposal == 0:
             return
         self.next_idle_check = 1  # after an attempt, look again at once: one step at a time
@@ -102,7 +102,9 @@ class RestoreTrigger:
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             maker.decision_error(e, None)
             restorable = 0
-        restored = rounds.remap(restorable, lambda _: memory.restore(groups), memory.undo_restore)
+        before = memory.pool_sizes()
+        restored = rounds.remap(restorable, lambda _: memory.restore(groups), lambda: memory.return_to(before),
+                                purpose="restore")
         maker.record(lambda: maker.log.record_restore(
             step=runtime.step, state=state, plan=chosen, restored_groups=groups if restored else 0,
             pool_tokens=memory.pool_tokens))

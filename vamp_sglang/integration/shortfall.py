@@ -73,12 +73,12 @@ class DecisionMaker:
         logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
         from sglang.srt.environ import envs
 
-        from vamp_sglang.integration import radix
+        from vamp_sglang.integration import radix_eviction
 
         victims = self._preempt_candidates(list(batch.reqs), int(tree_cache.token_to_kv_pool_allocator.page_size)) \
             if site == "decode" and batch is not None else []
         buffer_tokens = int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
-        evictable = radix.eviction_candidates(tree_cache, gap_tokens, free_tokens, len(victims) + 1,
+        evictable = radix_eviction.eviction_candidates(tree_cache, gap_tokens, free_tokens, len(victims) + 1,
                                               buffer_tokens) if with_evictable else []
         view = self.inputs.offer()
         return Snapshot(
@@ -198,18 +198,20 @@ class DecisionMaker:
         On several ranks the groups are agreed first, in a round every shortfall runs whatever its
         plan (a rank that planned no offload, or failed to plan, proposes 0), so ranks that somehow
         planned differently still remap alike and keep their rounds in step."""
-        groups = self.rounds.agree(groups)
+        purpose = "offload-state" if to_state else "offload"
+        groups = self.rounds.agree(groups, purpose=purpose)
         if groups == 0:
             return 0
         memory = self.memory
-        gain, grow, undo = ((memory.slots_for, memory.offload_state, memory.undo_state_offload) if to_state
-                            else (memory.tokens_for, memory.offload, memory.restore))
+        gain, grow = (memory.slots_for, memory.offload_state) if to_state else (memory.tokens_for, memory.offload)
+        before = memory.pool_sizes()  # an undo returns to exactly this, not to what the groups allow
         try:
             proposal = gain(groups)
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             self.decision_error(e, None)
             proposal = 0
-        added = self.rounds.remap(proposal, lambda amount: grow(groups, amount), lambda: undo(groups))
+        added = self.rounds.remap(proposal, lambda amount: grow(groups, amount), lambda: memory.return_to(before),
+                                  purpose=purpose)
         if added:
             self.inputs.refresh_view()
         else:  # agreed on every rank (the vote), so the back-off is replicated
