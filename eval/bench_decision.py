@@ -7,7 +7,7 @@ from node to node. For a G-token gap it times, each at a fresh scheduler step (s
 reused from an earlier measurement):
 
 - `decision`: what the decision maker does before it acts: the eviction candidates taken lazily
-  in the tree's order (`radix.eviction_candidates`), the snapshot, and the plan with all four costs;
+  in the tree's order (`radix_eviction.eviction_candidates`), the snapshot, and the plan with all four costs;
 - `sglang_evict`: `tree_cache.evict(G tokens)` alone, as stock SGLang runs it at a shortfall;
 - `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan
   runs (the eviction heap reuses the priorities the decision computed).
@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 from tqdm import tqdm
 
-from vamp_sglang.integration import radix
+from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
 from vamp_sglang.policy import Coefficients, OffloadState, Snapshot, plan
 
 SYSTEM_PROMPT_TOKENS = 256
@@ -56,12 +56,12 @@ def build_tree(sessions: int, turns: int, seed: int):
                           layer_num=1, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=radix.NAME,
-                             tree_core_backend=radix.NAME)
-    cache = radix.VampUnifiedRadixCache(params)
+                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,
+                             tree_core_backend=radix_backend.NAME)
+    cache = radix_tree.VampUnifiedRadixCache(params)
     step = [0]
-    radix.bind_step_source(cache, lambda: step[0])
-    core = radix.tree_core_of(cache)
+    radix_backend.bind_step_source(cache, lambda: step[0])
+    core = radix_tree.tree_core_of(cache)
     for t in tqdm(range(1, turns + 1), desc="building tree (turns)"):
         for history in histories:
             step[0] += 1
@@ -87,9 +87,9 @@ OFFLOAD = OffloadState(headroom_groups=24, tokens_by_groups=tuple(4096 * n for n
 
 def decide(cache, gap_tokens: int, coefficients: Coefficients) -> str:
     """The decision maker's work before acting, on this tree (a prefill shortfall)."""
-    evictable = radix.eviction_candidates(cache, gap_tokens, 0, 1, 20)
+    evictable = radix_eviction.eviction_candidates(cache, gap_tokens, 0, 1, 20)
     snapshot = Snapshot("prefill", gap_tokens, 0, tuple(evictable), OFFLOAD, (), 20,
-                        radix.tree_core_of(cache).vamp_ledger.hit_rate, coefficients.as_overrides())
+                        radix_tree.tree_core_of(cache).vamp_ledger.hit_rate, coefficients.as_overrides())
     return plan(snapshot, coefficients).action
 
 
@@ -115,9 +115,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup_allocator_context()
-    radix.install()
+    radix_backend.install()
     cache, allocator, step, histories = build_tree(args.sessions, args.turns, args.seed)
-    core = radix.tree_core_of(cache)
+    core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
     times: dict[str, list[float]] = {"decision": [], "sglang_evict": [], "decision_then_evict": []}

@@ -29,13 +29,13 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 
-from vamp_sglang.integration import radix
+from vamp_sglang.integration import radix_backend, radix_tree
 
 CORES = {  # label: (tree core backend, eviction policy, cache class)
     "rust (sglang default)": ("rust", "lru", UnifiedRadixCache),
     "python (sglang)": ("python", "lru", UnifiedRadixCache),
-    "vamp stats + lru": (radix.NAME, "lru", radix.VampUnifiedRadixCache),
-    "vamp stats + p_eff order": (radix.NAME, radix.NAME, radix.VampUnifiedRadixCache),
+    "vamp stats + lru": (radix_backend.NAME, "lru", radix_tree.VampUnifiedRadixCache),
+    "vamp stats + p_eff order": (radix_backend.NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache),
 }
 
 
@@ -82,8 +82,8 @@ def build(label: str, pool_tokens: int) -> tuple[UnifiedRadixCache, TokenToKVPoo
                              tree_core_backend=backend)
     cache = cache_class(params)
     step = [0]
-    if isinstance(cache.tree_core, radix.VampTreeCore):
-        radix.bind_step_source(cache, lambda: step[0])
+    if isinstance(cache.tree_core, radix_tree.VampTreeCore):
+        radix_backend.bind_step_source(cache, lambda: step[0])
     return cache, allocator, step
 
 
@@ -99,7 +99,7 @@ def serve(cache, allocator, step: list[int], trace: list[list[int]], timer: Time
         hit_tokens += prefix_len
         prefix = cache.path_device_indices(match.last_device_node)[:prefix_len]
         lock = cache.lock(match.last_device_node)
-        if isinstance(core, radix.VampTreeCore):
+        if isinstance(core, radix_tree.VampTreeCore):
             timer.run("admit", core.record_admission, match.last_device_node, prefix_len, len(tokens), True)
         need = len(tokens) - prefix_len
         if need > allocator.available_size():
@@ -107,7 +107,7 @@ def serve(cache, allocator, step: list[int], trace: list[list[int]], timer: Time
         new = allocator.alloc(need)
         if new is not None:
             params = InsertParams(key=key, value=torch.cat([prefix, new]), prev_prefix_len=prefix_len)
-            if isinstance(core, radix.VampTreeCore):  # as VampUnifiedRadixCache.checkpoint_into_tree does
+            if isinstance(core, radix_tree.VampTreeCore):  # as VampUnifiedRadixCache.checkpoint_into_tree does
                 with core.written_by(prefix_len / len(tokens)):
                     timer.run("insert", cache.insert, params)
             else:
@@ -151,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup_allocator_context()
-    radix.install()
+    radix_backend.install()
     trace = make_trace(args.requests, args.sessions, args.seed)
     print(f"trace: {len(trace)} requests, {sum(map(len, trace))} tokens; bounded replay pool {args.pool_tokens} tokens")
     runs = [[bench(label, trace, args.pool_tokens, args.drain_chunk_tokens) for label in CORES]

@@ -11,7 +11,14 @@ import torch
 from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker, on_both, two_ranks  # noqa: F401
 from tests.test_integration_memory import H, moe_outputs, router_outputs, sglang_moe, vamp  # noqa: F401
 from vamp_sglang.config import VampConfig
-from vamp_sglang.integration import decision_hooks, radix, runtime, step_measurements
+from vamp_sglang.integration import (
+    decision_hooks,
+    radix_backend,
+    radix_eviction,
+    radix_tree,
+    runtime,
+    step_measurements,
+)
 from vamp_sglang.integration.runtime import VampRuntime
 
 
@@ -88,7 +95,7 @@ def test_t_queue_runs_from_sglangs_retraction_to_the_re_admission(maker, monkeyp
     monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(runtime, "_current", maker.runtime)
     req = SimpleNamespace(rid="r1", full_untruncated_fill_ids=[1] * 8,
-                          last_node=radix.tree_core_of(maker.tree).root_node.id)
+                          last_node=radix_tree.tree_core_of(maker.tree).root_node.id)
     decision_hooks._around_retract_decode(lambda batch: ([req], 0.0, []), SimpleNamespace())
     clock[0] += 2.5
     runtime._after_prefill_admission(None, None, req, SimpleNamespace(prefix_len=0))
@@ -99,11 +106,11 @@ def test_t_queue_runs_from_sglangs_retraction_to_the_re_admission(maker, monkeyp
 
 def test_setup_scheduler_gives_the_tree_the_runtimes_one_hit_rate_ledger(maker):  # noqa: F811
     """Issue 19.16: Eq. 1's observed hit rate is one ledger, the runtime's, which our tree records into
-    once `radix.setup_scheduler` wired it; a second ledger would let /vamp/stats and the planner differ."""
+    once `radix_backend.setup_scheduler` wired it; a second ledger would let /vamp/stats and the planner differ."""
     fresh = VampRuntime(maker.scheduler, VampConfig(max_offload_ratio=0.5), 0, False)
-    radix.setup_scheduler(maker.scheduler, fresh)
-    assert fresh.vamp_tree is maker.tree and radix.tree_core_of(maker.tree).vamp_ledger is fresh.ledger
-    root = radix.tree_core_of(maker.tree).root_node.id
+    radix_backend.setup_scheduler(maker.scheduler, fresh)
+    assert fresh.vamp_tree is maker.tree and radix_tree.tree_core_of(maker.tree).vamp_ledger is fresh.ledger
+    root = radix_tree.tree_core_of(maker.tree).root_node.id
     fresh.on_admission(SimpleNamespace(full_untruncated_fill_ids=[1] * 10, last_node=root), 6, first=True)
     fresh.on_admission(SimpleNamespace(full_untruncated_fill_ids=[1] * 10, last_node=root), 6, first=False)
     assert fresh.ledger.hit_rate == pytest.approx(0.6) and fresh.radix_stats()["hit_rate"] == pytest.approx(0.6)
@@ -113,7 +120,7 @@ def test_eviction_candidates_are_taken_until_they_cover_the_need_with_no_fixed_c
     """Issue 19.16: a gap that takes 180 one-token leaves gets 180 candidates (a cap would make the
     planner think eviction cannot cover it, and offload or preempt instead)."""
     cache_prompts(maker, 190, 1)
-    candidates = radix.eviction_candidates(maker.tree, gap_tokens=180, free_tokens=0, running_requests=1,
+    candidates = radix_eviction.eviction_candidates(maker.tree, gap_tokens=180, free_tokens=0, running_requests=1,
                                            retract_buffer_tokens=0)
     assert len(candidates) == 180 and sum(c.tokens for c in candidates) == 180
 

@@ -25,7 +25,14 @@ from vamp_sglang.config import VampConfig
 from vamp_sglang.controller import RankController
 from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS, RankRounds
 from vamp_sglang.faults import Faults
-from vamp_sglang.integration import decision_hooks, plan_inputs, radix_backend, radix_tree, restore_trigger
+from vamp_sglang.integration import (
+    decision_hooks,
+    plan_inputs,
+    radix_backend,
+    radix_eviction,
+    radix_tree,
+    restore_trigger,
+)
 from vamp_sglang.integration.runtime import VampRuntime
 from vamp_sglang.integration.shortfall import DecisionMaker
 
@@ -98,7 +105,7 @@ def test_an_error_in_the_decision_code_falls_back_to_sglangs_eviction(maker, mon
     def broken(*args, **kwargs):
         raise ValueError("a bug in the snapshot")
 
-    monkeypatch.setattr(radix, "eviction_candidates", broken)
+    monkeypatch.setattr(radix_eviction, "eviction_candidates", broken)
     for _ in range(2):
         need = maker.alloc.available_size() + 25
         dm.on_shortfall(EVICT, maker.alloc, maker.tree, need, "prefill", None)

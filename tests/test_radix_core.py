@@ -10,7 +10,7 @@ from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
 from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401 (fixture)
-from vamp_sglang.integration import radix
+from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
 from vamp_sglang.policy import EvictableBlock
 
 
@@ -20,17 +20,17 @@ def insert(cache, allocator, tokens):
 
 def admit(cache, tokens):
     match = cache.match_prefix(MatchPrefixParams(key=key_of(tokens)))
-    radix.tree_core_of(cache).record_admission(match.last_device_node, match.device_prefix_len, len(tokens),
+    radix_tree.tree_core_of(cache).record_admission(match.last_device_node, match.device_prefix_len, len(tokens),
                                                first=True)
 
 
 def node_for(cache, tokens):
     match = cache.match_prefix(MatchPrefixParams(key=key_of(tokens)))
-    return radix.tree_core_of(cache).node_by_id(match.last_device_node)
+    return radix_tree.tree_core_of(cache).node_by_id(match.last_device_node)
 
 
 def test_registries_build_our_tree_from_server_flags():
-    radix.install()
+    radix_backend.install()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model-path", "dummy", "--radix-cache-backend", "vamp", "--radix-eviction-policy", "vamp"])
@@ -44,32 +44,32 @@ def test_registries_build_our_tree_from_server_flags():
     cache = create_tree_cache(TreeCacheBuildContext(
         server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
         disable_radix_cache=False, tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None))
-    assert type(cache) is radix.VampUnifiedRadixCache
-    assert type(cache.tree_core.eviction_strategy) is radix.VampStrategy
+    assert type(cache) is radix_tree.VampUnifiedRadixCache
+    assert type(cache.tree_core.eviction_strategy) is radix_tree.VampStrategy
 
 
 def test_install_is_idempotent():
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES
 
-    radix.install()
-    radix.install()
+    radix_backend.install()
+    radix_backend.install()
     assert RADIX_EVICTION_POLICY_CHOICES.count("vamp") == 1
 
 
 def test_policy_without_our_tree_fails_with_a_clear_error():
     with pytest.raises(RuntimeError, match="needs --radix-cache-backend vamp"):
-        radix.VampStrategy().get_priority(object())
+        radix_tree.VampStrategy().get_priority(object())
     cache, _ = build_cache(page_size=1, policy="lru")
     with pytest.raises(TypeError, match="--radix-cache-backend vamp"):
-        radix.radix_stats(type("Plain", (), {"tree_core": object()})())
-    assert radix.radix_stats(cache)["node_count"] == 0  # our core under the stock LRU order is fine
+        radix_backend.radix_stats(type("Plain", (), {"tree_core": object()})())
+    assert radix_backend.radix_stats(cache)["node_count"] == 0  # our core under the stock LRU order is fine
 
 
 def test_split_keeps_stats_and_insert_refreshes_recency():
     cache, allocator = build_cache(page_size=1)
-    core = radix.tree_core_of(cache)
+    core = radix_tree.tree_core_of(cache)
     step = [7]
-    radix.bind_step_source(cache, lambda: step[0])
+    radix_backend.bind_step_source(cache, lambda: step[0])
     with core.written_by(0.8):
         insert(cache, allocator, list(range(10)))
     admit(cache, list(range(10)))
@@ -87,18 +87,18 @@ def test_split_keeps_stats_and_insert_refreshes_recency():
 
 def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt():
     cache, allocator = build_cache(page_size=1)
-    core = radix.tree_core_of(cache)
+    core = radix_tree.tree_core_of(cache)
     step = [0]
-    radix.bind_step_source(cache, lambda: step[0])
+    radix_backend.bind_step_source(cache, lambda: step[0])
     with core.written_by(0.9):  # a session turn that hit 90% wrote its new tail
         insert(cache, allocator, list(range(500, 520)))
     step[0] = 10
     with core.written_by(0.0):  # then a one-shot prompt arrived
         insert(cache, allocator, list(range(600, 620)))
     # priced with their writers' rates, in the tree's order; lazily: enough to cover the need only
-    assert radix.eviction_candidates(cache, 40, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0),
+    assert radix_eviction.eviction_candidates(cache, 40, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0),
                                                              EvictableBlock(20, 0, 10, 0.9)]
-    assert radix.eviction_candidates(cache, 5, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0)]
+    assert radix_eviction.eviction_candidates(cache, 5, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0)]
     cache.evict(EvictParams(num_tokens=1))
     assert node_for(cache, list(range(500, 520))).vamp_stats.prior == 0.9  # still cached
     assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 0
@@ -108,7 +108,7 @@ def scenario(policy: str) -> tuple[set, dict]:
     """A 16-token session prefix reused three times, then 16-token one-shot prompts fill the pool."""
     cache, allocator = build_cache(page_size=1, policy=policy)
     step = [0]
-    radix.bind_step_source(cache, lambda: step[0])
+    radix_backend.bind_step_source(cache, lambda: step[0])
     session = list(range(1000, 1016))
     insert(cache, allocator, session)
     for _ in range(3):
@@ -119,11 +119,11 @@ def scenario(policy: str) -> tuple[set, dict]:
         step[0] += 10
         admit(cache, prompt)
         insert(cache, allocator, prompt)
-    predicted = radix.eviction_plan(cache, 16)
+    predicted = radix_eviction.eviction_plan(cache, 16)
     cache.evict(EvictParams(num_tokens=16))
     kept = {name for name, tokens in [("session", session)] + [(f"one-shot {i}", p) for i, p in enumerate(one_shots)]
             if cache.match_prefix(MatchPrefixParams(key=key_of(tokens))).device_prefix_len == len(tokens)}
-    return kept, {"predicted": predicted, "stats": radix.radix_stats(cache)}
+    return kept, {"predicted": predicted, "stats": radix_backend.radix_stats(cache)}
 
 
 def test_cost_order_keeps_the_reused_session_where_lru_evicts_it():
@@ -144,5 +144,5 @@ def test_radix_stats_report_sizes_reuse_and_evictions_only():
     assert (stats["admissions"], stats["hit_tokens"], stats["requested_tokens"]) == (6, 48, 96)
     assert stats["hits_histogram"]["2-3"] == 1 and stats["hits_histogram"]["0"] == 2
     assert sum(stats["age_histogram_steps"].values()) == 3
-    candidates = radix.eviction_candidates(radix_cache := build_cache(1)[0], 5, 0, 1, 20)
-    assert candidates == [] and radix.estimate_eviction(radix_cache, 10) == (0, 0.0)
+    candidates = radix_eviction.eviction_candidates(radix_cache := build_cache(1)[0], 5, 0, 1, 20)
+    assert candidates == [] and radix_eviction.estimate_eviction(radix_cache, 10) == (0, 0.0)

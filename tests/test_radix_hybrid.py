@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from tests.test_radix_tree_state import sglang_context  # noqa: F401 (fixture)
 from vamp_sglang.cache.hybrid import tokens_losing_reuse
-from vamp_sglang.integration import hybrid, radix
+from vamp_sglang.integration import hybrid, radix_backend, radix_eviction, radix_tree
 from vamp_sglang.policy import Coefficients, EvictableBlock, OffloadState, Snapshot, plan
 
 # ---- pure: the reuse rule --------------------------------------------------------------------------
@@ -95,8 +95,8 @@ def build_hybrid_cache():
     alloc = TokenToKVPoolAllocator(64, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=reqs, token_to_kv_pool_allocator=alloc, page_size=1,
                              tree_components=(ComponentType.FULL, ComponentType.MAMBA), eviction_policy="vamp",
-                             tree_core_backend=radix.NAME)
-    return radix.VampUnifiedRadixCache(params), alloc, reqs
+                             tree_core_backend=radix_backend.NAME)
+    return radix_tree.VampUnifiedRadixCache(params), alloc, reqs
 
 
 def key(tokens):
@@ -129,7 +129,7 @@ def test_sglang_matches_only_down_to_the_deepest_state(tree):
 
 def test_candidates_carry_the_tokens_each_eviction_makes_unreachable(tree):
     cache, _, _ = tree
-    got = [(b.tokens, b.reprefill_tokens) for b in radix.eviction_candidates(cache, 100, 0, 1, 0)]
+    got = [(b.tokens, b.reprefill_tokens) for b in radix_eviction.eviction_candidates(cache, 100, 0, 1, 0)]
     # [50..52]; then [5..9] ([0..4] still reachable via [99, 98]); then [99, 98] with [0..4]; then [0..4], dead
     assert got == [(3, 3), (5, 5), (2, 7), (5, 0)]
 
@@ -138,11 +138,11 @@ def test_dead_kv_goes_first_and_the_walk_predicts_sglangs_eviction(tree):
     """After SGLang's state eviction drops every state, the remaining KV is dead: priced 0, evicted first."""
     cache, alloc, _ = tree
     cache.evict(EvictParams(num_tokens=0, mamba_num=3))
-    candidates = radix.eviction_candidates(cache, 100, 0, 1, 0)
+    candidates = radix_eviction.eviction_candidates(cache, 100, 0, 1, 0)
     assert candidates and all(b.reprefill_tokens == 0 for b in candidates)
     insert(cache, alloc, tree[2], [7, 7, 7, 7])  # a live leaf next to the dead ones
-    predicted = radix.eviction_plan(cache, 5)
-    assert predicted.cost_s == 0.0 and all(not radix.tree_core_of(cache).has_state(n) for n in predicted.nodes)
+    predicted = radix_eviction.eviction_plan(cache, 5)
+    assert predicted.cost_s == 0.0 and all(not radix_tree.tree_core_of(cache).has_state(n) for n in predicted.nodes)
     free = alloc.available_size()
     cache.evict(EvictParams(num_tokens=5))
     assert alloc.available_size() - free == predicted.tokens
@@ -193,7 +193,7 @@ def test_compaction_moves_cached_rows_under_the_hybrid_wrapper(tree):
     alloc.free(free_rows[:-7])  # a busy past: two prefixes cached in the pool's top 7 rows
     for tokens, rows in (([5, 5, 5], free_rows[-7:-4]), ([6, 6, 6, 6], free_rows[-4:])):
         cache.insert(InsertParams(key=key(tokens), value=rows, mamba_value=reqs.mamba_allocator.alloc(1)))
-    values = [n.component_data[Component.FULL].value for n in radix.tree_core_of(cache).device_nodes()]
+    values = [n.component_data[Component.FULL].value for n in radix_tree.tree_core_of(cache).device_nodes()]
     rows_before = [v.clone() for v in values if v is not None]
     keep_tokens = 40
     assert compaction.tail_is_movable(cache, alloc, keep_tokens)
@@ -211,7 +211,7 @@ def test_state_candidates_follow_sglangs_state_eviction(tree):
     """The first state SGLang drops is the least recent one, [5..9]: an inner node, so its KV stays but a
     request resuming there re-prefills back to the root (its parent [0..4] holds no state)."""
     cache, _, _ = tree
-    got = [(b.tokens, b.reprefill_tokens) for b in radix.state_eviction_candidates(cache, 3)]
+    got = [(b.tokens, b.reprefill_tokens) for b in radix_eviction.state_eviction_candidates(cache, 3)]
     # then the leaf [50..52], taking [5..9] along (no state left there), then [99, 98] with [0..4]
     assert got == [(1, 10), (1, 8), (1, 7)]
     cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
@@ -236,7 +236,7 @@ def last_node(cache, tokens):
 
 
 def slot_of(cache, tokens):
-    node = radix.tree_core_of(cache)._node_arena[last_node(cache, tokens)]
+    node = radix_tree.tree_core_of(cache)._node_arena[last_node(cache, tokens)]
     return int(node.component_data[ComponentType.MAMBA].value[0])
 
 

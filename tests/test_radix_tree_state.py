@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 
-from vamp_sglang.integration import radix
+from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
 
 POOL_TOKENS = 64
 FULL = ComponentType.FULL
@@ -31,7 +31,7 @@ FULL = ComponentType.FULL
 @pytest.fixture(scope="module", autouse=True)
 def sglang_context():
     setup_allocator_context()
-    radix.install()
+    radix_backend.install()
 
 
 def build_cache(page_size: int, sessions: bool = False, policy: str = "vamp"):
@@ -44,8 +44,8 @@ def build_cache(page_size: int, sessions: bool = False, policy: str = "vamp"):
     req_pool = ReqToTokenPool(size=4, max_context_len=256, device="cpu", enable_memory_saver=False)
     params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
                              page_size=page_size, tree_components=(FULL,), eviction_policy=policy,
-                             enable_session_radix_cache=sessions, tree_core_backend=radix.NAME)
-    return radix.VampUnifiedRadixCache(params), allocator
+                             enable_session_radix_cache=sessions, tree_core_backend=radix_backend.NAME)
+    return radix_tree.VampUnifiedRadixCache(params), allocator
 
 
 def key_of(tokens: list[int]) -> RadixKey:
@@ -60,9 +60,9 @@ class RadixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cache, self.allocator = build_cache(self.page_size, self.sessions, self.policy)
-        self.core = radix.tree_core_of(self.cache)
+        self.core = radix_tree.tree_core_of(self.cache)
         self.step = 0
-        radix.bind_step_source(self.cache, lambda: self.step)
+        radix_backend.bind_step_source(self.cache, lambda: self.step)
         self.locks: list[tuple[object, int]] = []
 
     def sequences(self):
@@ -133,10 +133,10 @@ class RadixMachine(RuleBasedStateMachine):
     def evict(self, n_tokens):
         sizes = (self.cache.evictable_size(), self.cache.protected_size())
         leaves = set(self.core.evictable_device_leaves)
-        plan = radix.eviction_plan(self.cache, n_tokens)
+        plan = radix_eviction.eviction_plan(self.cache, n_tokens)
         assert (self.cache.evictable_size(), self.cache.protected_size()) == sizes  # read-only
         assert set(self.core.evictable_device_leaves) == leaves
-        assert radix.estimate_eviction(self.cache, n_tokens) == (plan.tokens, plan.cost_s)
+        assert radix_eviction.estimate_eviction(self.cache, n_tokens) == (plan.tokens, plan.cost_s)
         before = {n.id for n in self.core.device_nodes()}
         result = self.cache.evict(EvictParams(num_tokens=n_tokens))
         gone = before - {n.id for n in self.core.device_nodes()}

@@ -4,7 +4,7 @@ Per-node reuse statistics (`NodeStats`) and the admission ledger behind the obse
 eviction order (`CostOrder`: lowest p_eff of Eq. 1 first, priced by C_c of Eq. 2), the read-only walk that predicts what an eviction
 would free and cost (`walk`), what evicting from a hybrid model's cache loses (`hybrid`), and the
 histograms `/vamp/stats` reports. The SGLang tree these
-run on is built in `vamp_sglang.integration.radix`.
+run on is built in `vamp_sglang.integration.radix_tree`.
 """
 
 from vamp_sglang.cache.histogram import pow2_histogram

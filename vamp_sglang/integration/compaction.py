@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vamp_sglang.integration import radix
+from vamp_sglang.integration import radix_tree
 
 
 def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -24,7 +24,7 @@ def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[torch.Tensor,
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     held = []
-    for node in radix.tree_core_of(tree_cache).device_nodes():
+    for node in radix_tree.tree_core_of(tree_cache).device_nodes():
         if any(cd.lock_ref > 0 for cd in node.component_data):
             continue
         value = node.component_data[ComponentType.FULL].value

@@ -29,11 +29,11 @@ def all_hooks() -> list[Hook]:
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
     """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
-    from vamp_sglang.integration import decision_hooks, expert_memory, hybrid, radix
+    from vamp_sglang.integration import decision_hooks, expert_memory, hybrid, radix_backend
 
     # Order matters: the decision maker needs the tree's step source and the expert memory; a hybrid
     # configuration VAMP does not support is refused before the expert memory is built.
-    return [radix.setup_scheduler, hybrid.setup_scheduler, expert_memory.setup_scheduler,
+    return [radix_backend.setup_scheduler, hybrid.setup_scheduler, expert_memory.setup_scheduler,
             decision_hooks.setup_scheduler]
 
 
@@ -70,9 +70,9 @@ _SCHEDULER_INIT = Hook(f"{_SCHEDULER_MODULE}.Scheduler.__init__", "after", _afte
 def register() -> None:
     if not plugin_enabled():
         return
-    from vamp_sglang.integration import radix
+    from vamp_sglang.integration import radix_backend
 
-    radix.install()  # registry names: the HTTP process parses --radix-eviction-policy vamp too
+    radix_backend.install()  # registry names: the HTTP process parses --radix-eviction-policy vamp too
     if _SCHEDULER_MODULE in sys.modules:
         register_all(all_hooks() + cpu_hooks())
     if _HTTP_MODULE in sys.modules:

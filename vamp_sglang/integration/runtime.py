@@ -72,9 +72,9 @@ class VampRuntime:
         requested_tokens = len(req.full_untruncated_fill_ids)
         hit_tokens = min(hit_tokens, requested_tokens)
         if self.vamp_tree is not None:  # our tree records into this same ledger
-            from vamp_sglang.integration import radix
+            from vamp_sglang.integration import radix_backend
 
-            radix.record_admission(self.vamp_tree, req, hit_tokens, requested_tokens, first)
+            radix_backend.record_admission(self.vamp_tree, req, hit_tokens, requested_tokens, first)
         elif first:
             self.ledger.record(hit_tokens, requested_tokens)
         if self.decision_maker is not None:

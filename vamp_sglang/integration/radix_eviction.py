@@ -1,0 +1,153 @@
+"""What the planner reads off the live VAMP tree: eviction candidates and the price of an eviction (Eq. 2).
+
+The planner weighs evicting against offloading and preemption (paper IV-B) before anything is evicted,
+so it needs the nodes SGLang's eviction would take, in SGLang's own order, each with the statistics
+Eq. 1 prices it by, and the summed C_c (Eq. 2) of freeing N tokens. These are read-only views of a
+`VampTreeCore` (radix_tree.py) handed to the pure walks in vamp_sglang/cache/: `eviction_order` and
+`estimate` replay SGLang's device eviction heap (cache/walk.py), `tokens_losing_reuse` says what a
+hybrid node's eviction makes unreachable (cache/hybrid.py): a leaf with a state is priced by every
+token its eviction strands, its stateless ancestors included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeNode
+
+from vamp_sglang.cache import EvictionEstimate, HybridTree, estimate, eviction_order, tokens_losing_reuse
+from vamp_sglang.integration.radix_tree import VampTreeCore, tree_core_of
+from vamp_sglang.policy.planner import eviction_need_tokens
+from vamp_sglang.policy.snapshot import EvictableBlock
+
+_FULL = ComponentType.FULL
+_MAMBA = ComponentType.MAMBA
+
+
+class _HybridView(HybridTree[UnifiedTreeNode]):
+    """`cache.hybrid.HybridTree` over a live hybrid `VampTreeCore` (device KV and states)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+
+    def parent(self, node: UnifiedTreeNode) -> UnifiedTreeNode | None:
+        parent = node.parent
+        return None if parent is None or parent is self.core.root_node else parent
+
+    def children(self, node: UnifiedTreeNode) -> list[UnifiedTreeNode]:
+        return [c for c in node.children.values() if c.component_data[_FULL].value is not None]
+
+    def tokens(self, node: UnifiedTreeNode) -> int:
+        return self.core.node_tokens(node)
+
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        return self.core.has_state(node)
+
+
+class _StatesDropped(_HybridView):
+    """The hybrid view once the states in `dropped` are gone (an inner node keeps its KV)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        super().__init__(core)
+        self.dropped: set[UnifiedTreeNode] = set()
+
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        return node not in self.dropped and self.core.has_state(node)
+
+
+class LostTokens:
+    """Tokens each node's eviction makes unreachable, for nodes taken in eviction order: each call
+    assumes the nodes asked about before it are gone (a plain tree loses a node's own tokens)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+        self.view = _HybridView(core) if core.vamp_hybrid else None
+        self.gone: set[UnifiedTreeNode] = set()
+
+    def __call__(self, node: UnifiedTreeNode) -> int:
+        if self.view is None:
+            return self.core.node_tokens(node)
+        lost = tokens_losing_reuse(self.view, node, self.gone)
+        self.gone.add(node)
+        return lost
+
+
+class _DeviceTreeView:
+    """`cache.walk.EvictableTree` over a live `VampTreeCore`, reading only (FULL device tier)."""
+
+    def __init__(self, core: VampTreeCore) -> None:
+        self.core = core
+        full = core.components_by_type[_FULL]
+        # the same key FullComponent heaps by: session refs first when sessions are on
+        self.priority = full.session_ref_eviction_strategy or core.eviction_strategy.get_priority
+
+    def evictable_leaves(self) -> set[UnifiedTreeNode]:
+        return self.core.evictable_device_leaves
+
+    def tokens(self, node: UnifiedTreeNode) -> int:
+        return self.core.node_tokens(node)
+
+    def parent_if_leaf_after(self, node: UnifiedTreeNode, removed: set) -> UnifiedTreeNode | None:
+        """Mirrors `UnifiedTreeCore._is_device_leaf` with `removed` treated as evicted."""
+        parent = node.parent
+        if parent is None or parent is self.core.root_node or parent.evicted:
+            return None
+        if any(cd.lock_ref > 0 for cd in parent.component_data):
+            return None
+        if any(c not in removed and c.component_data[_FULL].value is not None for c in parent.children.values()):
+            return None
+        return parent
+
+
+def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, running_requests: int,
+                        retract_buffer_tokens: int) -> list[EvictableBlock]:
+    """Nodes in the order the tree would evict them, taken lazily until they cover the most any plan
+    may ask the tree for (`eviction_need_tokens`), each with the prior the tree prices it with."""
+    core = tree_core_of(tree_cache)
+    need = eviction_need_tokens(gap_tokens, free_tokens, running_requests, retract_buffer_tokens)
+    now, out, covered, lost = core.now_steps(), [], 0, LostTokens(core)
+    for node in eviction_order(_DeviceTreeView(core)):
+        if covered >= need:
+            break
+        tokens = core.node_tokens(node)
+        covered += tokens
+        out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
+                                  core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None))
+    return out
+
+
+def state_eviction_candidates(tree_cache: Any, need_slots: int) -> list[EvictableBlock]:
+    """Hybrid trees: the states SGLang's state eviction would drop, in its order (the MAMBA LRU list from
+    its least recent end, locked nodes skipped), until they cover `need_slots`; one slot each. A leaf
+    goes with its KV, and so do stateless ancestors left with no state below (`tokens_losing_reuse`);
+    an inner node keeps its KV, but a request resuming at it re-prefills back to the nearest state above."""
+    core = tree_core_of(tree_cache)
+    lru, view, now = core.lru_lists[_MAMBA], _StatesDropped(core), core.now_steps()
+    out, gone, node = [], set(), lru.get_lru_no_lock()
+    while node is not None and len(out) < need_slots:
+        if node in core.evictable_device_leaves:
+            lost = tokens_losing_reuse(view, node, gone)
+            gone.add(node)
+        else:
+            lost, above = core.node_tokens(node), view.parent(node)
+            while above is not None and not view.has_state(above):
+                lost, above = lost + core.node_tokens(above), view.parent(above)
+        view.dropped.add(node)
+        out.append(EvictableBlock(1, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
+                                  core.prior_hit_rate(node), lost))
+        node = lru.get_prev_no_lock(node)
+    return out
+
+
+def eviction_plan(tree_cache: Any, n_tokens: int) -> EvictionEstimate:
+    """The nodes `tree_cache.evict(EvictParams(num_tokens=n_tokens))` would free now, and their C_c."""
+    core = tree_core_of(tree_cache)
+    lost = LostTokens(core)
+    return estimate(_DeviceTreeView(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)))
+
+
+def estimate_eviction(tree_cache: Any, n_tokens: int) -> tuple[int, float]:
+    """(tokens freed, summed C_c in seconds) if the tree were asked to free `n_tokens` now; read-only."""
+    result = eviction_plan(tree_cache, n_tokens)
+    return result.tokens, result.cost_s

@@ -1,0 +1,172 @@
+"""SGLang's radix tree with per-node reuse statistics and p_eff-ordered eviction (paper Eq. 1-2).
+
+SGLang 0.5.23 builds `UnifiedRadixCache` over a pluggable tree core; its default Rust core takes
+only the eight built-in eviction policies by name, so `VampTreeCore` subclasses the Python core
+(`UnifiedTreeCore`, the one SGLang itself uses for sessions and KV sharding) and adds per-node
+`NodeStats`. Everything else stays SGLang's: the tree walk, locks, HiCache tiers, session refs and
+paging. `VampStrategy` is `--radix-eviction-policy vamp`: lowest p_eff first (Eq. 1,
+cache/ordering.py), read from the core that keeps the statistics. How these enter SGLang is
+`radix_backend`; what the planner reads off the tree is `radix_eviction`.
+
+Hits are counted at admission (`VampTreeCore.record_admission`, walking the locked `req.last_node`
+to the root; never at match: waiting requests are re-matched every round). We do not reuse SGLang's
+insert-time `hit_count`: it drives HiCache's write-through threshold (changing it would change
+HiCache), write-back mode skips it, and only admission sees, in one place, the matched prefix AND
+the prompt length, which give the request's hit rate: the tree-wide rate of Eq. 1 (the runtime's
+one `AdmissionLedger`, which the tree reads) and the prior of the nodes this request then writes
+(`checkpoint_into_tree`, `NodeStats.prior`).
+
+Hybrid models (a MAMBA component: Qwen3-Next's linear-attention state) follow SGLang's reuse rule
+(cache/hybrid.py): a match ends at the deepest node holding a state, so a stateless leaf is evicted
+first (priority below every p_eff) and costs nothing.
+
+Every eviction prices each leaf once: priorities are memoised per node for the current step and
+tree-wide hit rate (a node's own change drops its entry), so the planner's read-only walk and
+SGLang's eviction heap that follows it share one computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from vamp_sglang.cache import AdmissionLedger, CostOrder, NodeStats
+
+_FULL = ComponentType.FULL
+_MAMBA = ComponentType.MAMBA
+DEAD_PRIORITY = -1.0  # below every p_eff: a hybrid node no match can end in goes first
+
+
+class VampStrategy(EvictionStrategy):
+    """`--radix-eviction-policy vamp`: the priority comes from the tree core that owns the stats."""
+
+    def __init__(self) -> None:
+        self._priority: Callable[[UnifiedTreeNode], tuple] | None = None
+
+    def bind(self, priority: Callable[[UnifiedTreeNode], tuple]) -> None:
+        self._priority = priority
+
+    def get_priority(self, node: UnifiedTreeNode) -> tuple:
+        if self._priority is None:
+            raise RuntimeError("--radix-eviction-policy vamp needs --radix-cache-backend vamp "
+                               "(only that tree keeps the hit and recency statistics it orders by)")
+        return self._priority(node)
+
+
+class VampTreeCore(UnifiedTreeCore):
+    """SGLang's Python tree core plus `node.vamp_stats` on every node and the admission ledger."""
+
+    def __init__(self, params: Any, components: dict, order: CostOrder) -> None:
+        # set before super().__init__: reset() already creates the root through _new_node
+        self.vamp_order = order
+        self.vamp_step_fn: Callable[[], int] = lambda: 0
+        self.vamp_ledger = AdmissionLedger()  # replaced by the runtime's ledger once it exists
+        self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
+        self.vamp_priority_key: tuple[int, float] | None = None  # (step, tree-wide hit rate)
+        self.vamp_evicted_tokens = 0
+        self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
+        super().__init__(params, components)
+        self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
+        if isinstance(self.eviction_strategy, VampStrategy):
+            self.eviction_strategy.bind(self.vamp_priority)
+
+    def now_steps(self) -> int:
+        return int(self.vamp_step_fn())
+
+    # --- statistics kept through SGLang's own node life cycle ------------------------------------
+    def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
+        node = super()._new_node(priority)
+        node.vamp_stats = NodeStats(self.now_steps(), prior=self.vamp_write_prior)
+        return node
+
+    @contextmanager
+    def written_by(self, prior: float | None) -> Iterator[None]:
+        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats)."""
+        self.vamp_write_prior = prior
+        try:
+            yield
+        finally:
+            self.vamp_write_prior = None
+
+    def _split_node(self, key: Any, child: UnifiedTreeNode, split_len: int) -> tuple:
+        new_node, action = super()._split_node(key, child, split_len)
+        new_node.vamp_stats = child.vamp_stats.copy()
+        return new_node, action
+
+    def _touch_node(self, node: UnifiedTreeNode) -> None:
+        super()._touch_node(node)  # insert walks touch every node they write through
+        node.vamp_stats.touch(self.now_steps())
+        self.vamp_priorities.pop(node.id, None)
+
+    def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
+        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now);
+        `first`: its first admission (a retracted request's return or a later chunk is no new hit)."""
+        now = self.now_steps()
+        node = self.node_by_id(node_id)
+        while node is not None and node is not self.root_node:
+            node.vamp_stats.admit(now, count_hit=first)
+            self.vamp_priorities.pop(node.id, None)
+            node = node.parent
+        if first:
+            self.vamp_ledger.record(hit_tokens, requested_tokens)
+
+    # --- cost view --------------------------------------------------------------------------------
+    def node_tokens(self, node: UnifiedTreeNode) -> int:
+        return self.components_by_type[_FULL].reclaimable_value_len(node)
+
+    def has_state(self, node: UnifiedTreeNode) -> bool:
+        """A hybrid node holds a linear-attention state checkpoint (on device) at its end."""
+        return node.component_data[_MAMBA].value is not None
+
+    def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
+        if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
+            return (DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
+        key = (self.now_steps(), self.vamp_ledger.hit_rate)
+        if key != self.vamp_priority_key:
+            self.vamp_priorities.clear()
+            self.vamp_priority_key = key
+        priority = self.vamp_priorities.get(node.id)
+        if priority is None:
+            priority = self.vamp_priorities[node.id] = self.vamp_order.priority(node.vamp_stats, *key)
+        return priority
+
+    def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
+        """The r_hit prior this node is priced with: its writer's rate, else the tree-wide rate."""
+        prior = node.vamp_stats.prior
+        return self.vamp_ledger.hit_rate if prior is None else prior
+
+    def cost_of_losing_s(self, node: UnifiedTreeNode, lost_tokens: int) -> float:
+        """C_c (Eq. 2) of `node` when its eviction makes `lost_tokens` unreachable (0: nothing lost)."""
+        if not lost_tokens:
+            return 0.0
+        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.vamp_ledger.hit_rate)
+
+    def device_nodes(self) -> list[UnifiedTreeNode]:
+        return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]
+
+
+class VampUnifiedRadixCache(UnifiedRadixCache):
+    """SGLang's unified cache over `VampTreeCore`: tags what a request writes, counts what is evicted."""
+
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        # SGLang's one path from a request into the tree (after prefill chunks, at finish, at retraction)
+        with self.tree_core.written_by(getattr(req, "vamp_prior", None)):
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+
+    def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
+        self.tree_core.vamp_evicted_tokens += num_evicted
+        super().update_eviction_metrics(num_evicted, start_time)
+
+
+def tree_core_of(tree_cache: Any) -> VampTreeCore:
+    core = getattr(tree_cache, "tree_core", None)
+    if not isinstance(core, VampTreeCore):
+        raise TypeError(f"expected a tree built with --radix-cache-backend vamp, got {type(tree_cache).__name__} "
+                        f"with core {type(core).__name__}")
+    return core
