@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from eval.gpu_sections import prefill_stream_timing, resize_rollback, state_pool_alloc
+from eval.gpu_sections import prefill_stream_timing, resize_rollback, side_stream_capture, state_pool_alloc
 from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend
 from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
@@ -676,6 +676,7 @@ SECTIONS: dict[str, tuple[bool, Callable[[PageBackend, bool], dict]]] = {  # nam
     "routed": (False, check_routed),
     "state": (False, check_state),
     "prefill_stream": (True, prefill_stream_timing.check),
+    "side_stream_capture": (True, side_stream_capture.check),
     "resize_rollback": (False, resize_rollback.check),
     "state_pool_alloc": (False, state_pool_alloc.check),
 }

@@ -14,7 +14,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
 SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state", "prefill_stream",
-            "resize_rollback", "state_pool_alloc"]
+            "side_stream_capture", "resize_rollback", "state_pool_alloc"]
 
 
 def run(*args, tmp_path):
@@ -56,6 +56,7 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     routed = report["routed"]  # issue 12: routed, whole and auto steps exact; routed stages fewer bytes
     assert routed["ok"] and routed["routed_exact"] and routed["auto_exact"] and routed["routed_stages_fewer_bytes"]
     assert report["state"]["ok"] and report["state"]["slot_clear_hits_every_layer"]  # issue 11: state pool
+    assert report["side_stream_capture"] == {"skipped": "needs a GPU"}  # CUDA graphs and streams only
     assert report["resize_rollback"]["ok"] and report["resize_rollback"]["kv_experts_exact"]  # issue 19 item 2
     assert report["state_pool_alloc"]["ok"] and report["state_pool_alloc"]["sglang_allocation_given_back_first"]
 
