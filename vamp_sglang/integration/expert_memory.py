@@ -69,7 +69,6 @@ class ExpertMemory:
         kv_pool.check_allocator(allocator, pool)
         self.experts, self.pool, self.allocator = experts, pool, allocator
         self.states, self.tree_cache = states, tree_cache
-        self.last_restore = (0, 0)  # (KV groups, state groups) the last restore brought back
         self._state_target: int | None = None  # the state pool size the running remap publishes
         self._slots_at_start = 0  # the state pool size when the running remap began (what a rollback restores)
         self._publish, self._quiesce = publish, quiesce
@@ -130,11 +129,6 @@ class ExpertMemory:
         if n_groups:
             self._remap(lambda: self.repartitioner.offload(n_groups, pool_tokens=self.pool_tokens + tokens))
 
-    def undo_state_offload(self, n_groups: int) -> None:
-        """Transaction: take back `n_groups` of the state pool's groups (another rank failed the offload)."""
-        self._check_groups("n_groups", n_groups, self.repartitioner.state_groups)
-        self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=self.pool_tokens, state_first=True))
-
     def restorable_groups(self) -> int:
         """Groups that can come back now: the KV tail ids they would take are all free, and the state
         slots past the smaller state pool are free or hold cached states that can move below it."""
@@ -160,17 +154,7 @@ class ExpertMemory:
         if from_state:
             self.states.compact(self.tree_cache, self._slots_after_restore(n_groups))
         self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
-        self.last_restore = (n_groups - from_state, from_state)
         return old - new
-
-    def undo_restore(self) -> None:
-        """Offload again what the last restore brought back, into the pools it came from (another
-        rank failed the restore)."""
-        kv_groups, state_groups = self.last_restore
-        if kv_groups:
-            self.offload(kv_groups, self.tokens_for(kv_groups))
-        if state_groups:
-            self.offload_state(state_groups, self.slots_for(state_groups))
 
     def pool_sizes(self) -> PoolSizes:
         return PoolSizes(self.repartitioner.kv_groups, self.repartitioner.state_groups, self.pool_tokens,
