@@ -33,13 +33,6 @@ def bind_step_source(tree_cache: Any, step_fn: Callable[[], int]) -> None:
     tree_core_of(tree_cache).vamp_step_fn = step_fn
 
 
-def set_coefficients(tree_cache: Any, coefficients: Coefficients) -> None:
-    """Re-price the tree (e.g. after calibrating t_prefill online); the next eviction uses them."""
-    core = tree_core_of(tree_cache)
-    core.vamp_order = CostOrder(coefficients)
-    core.vamp_priority_key = None
-
-
 def radix_stats(tree_cache: Any) -> dict[str, Any]:
     """The `/vamp/stats` radix section: sizes, reuse and eviction counts; never token ids or text."""
     core = tree_core_of(tree_cache)
