@@ -32,7 +32,7 @@ from vamp_sglang.integration.moe_staging import ModelExperts, run_moe_core_stage
 from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
-from vamp_sglang.tiny_moe import TinyMoeSpec
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 MODES = ("whole", "routed", "auto")
 DECODE_BATCHES, PREFILL_TOKENS = (1, 4, 16, 64), 512
