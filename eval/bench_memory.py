@@ -41,8 +41,9 @@ from vamp_sglang.memory.geometry import geometry_from_config
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes
 from vamp_sglang.memory.repartition import Repartitioner
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
-from vamp_sglang.tiny_moe.common import TinyMoeSpec
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores
+from vamp_sglang.tiny_moe import TinyMoeSpec
 
 MIB, GIB = 1 << 20, 1 << 30
 PAGE_BYTES = 2 * MIB

@@ -59,7 +59,8 @@ from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.region import PagedRegion, bytes_checksum
 from vamp_sglang.memory.repartition import Repartitioner
 from vamp_sglang.memory.routed import device_copy_list, host_offset, routed_offloaded_runs
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 
 MIB, GIB = 1 << 20, 1 << 30

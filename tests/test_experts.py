@@ -9,7 +9,7 @@ import torch
 from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout, LayoutError
-from vamp_sglang.memory.staging import StagingBuffers, build_expert_stores
+from vamp_sglang.memory.staging_slots import StagingBuffers, build_expert_stores
 
 GRAN = 64 * 1024
 

@@ -11,7 +11,8 @@ from eval.bench_memory import moe_forward
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import LayoutError
 from vamp_sglang.memory.repartition import Repartitioner
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER = [0, 1, 2, 3], 16, 128, 64  # w13 1 page, w2 half a page: g = 2, 3 pages/group
 

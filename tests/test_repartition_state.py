@@ -19,7 +19,8 @@ from test_repartition import (
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import LayoutError
 from vamp_sglang.memory.repartition import Repartitioner
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 
 # per slot and layer: conv 3 KiB, ssm 16 KiB (the host test granularity is 64 KiB: 4 ssm slots a page)

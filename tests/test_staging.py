@@ -11,7 +11,8 @@ from test_experts import host_backend, make_layout, make_weights
 from eval.bench_memory import moe_forward
 from vamp_sglang.memory.backend import HostArena
 from vamp_sglang.memory.experts import host_copy_bytes
-from vamp_sglang.memory.staging import StagingBuffers, StagingEngine, build_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import StagingBuffers, build_expert_stores
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = [0, 1, 2, 3], 40, 128, 128, 4, 64  # g = 1
 

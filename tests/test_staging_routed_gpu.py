@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from vamp_sglang.memory.routed import routed_offloaded_runs
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores
 
 pytestmark = pytest.mark.gpu
 EXPERTS, HIDDEN, INTER, TOP_K, LAYERS = 64, 512, 256, 4, [0, 1, 2]

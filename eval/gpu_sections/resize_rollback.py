@@ -21,7 +21,7 @@ from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.repartition import Repartitioner
-from vamp_sglang.memory.staging import build_expert_stores, close_expert_stores
+from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 
 

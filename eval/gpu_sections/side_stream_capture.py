@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from vamp_sglang.integration.moe_staging import keep_moe_on_capture_stream
-from vamp_sglang.memory.staging import StagingEngine, build_expert_stores, close_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 
 EXPERTS, HIDDEN, INTER, TOKENS, TOP_K = 64, 512, 256, 8, 4  # 2 MiB pages: a group is 8 experts, bound 4
 LAYER_IDS = [0, 1, 2]  # the first MoE layer stays resident (no break)

@@ -56,7 +56,8 @@ import torch
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout
-from vamp_sglang.memory.staging import StagingBuffers, StagingEngine, close_expert_stores
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import StagingBuffers, close_expert_stores
 
 
 class ExpertConversionError(RuntimeError):
