@@ -43,7 +43,7 @@ from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows
 from vamp_sglang.memory.repartition import Repartitioner
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores
-from vamp_sglang.tiny_moe import TinyMoeSpec
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 MIB, GIB = 1 << 20, 1 << 30
 PAGE_BYTES = 2 * MIB

@@ -33,7 +33,7 @@ from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores
-from vamp_sglang.tiny_moe import TinyMoeSpec
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 MODES = ("whole", "routed", "auto")
 DECODE_BATCHES, PREFILL_TOKENS = (1, 4, 16, 64), 512

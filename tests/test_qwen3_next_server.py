@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, post_json
-from vamp_sglang.tiny_moe import make_checkpoint
+from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
 pytestmark = pytest.mark.server

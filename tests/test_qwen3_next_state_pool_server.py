@@ -28,7 +28,7 @@ import pytest
 from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
 from tests.test_qwen3_next_vamp_server import GREEDY, NEW_TOKENS, _session
 from tests.test_server_decisions import _metric
-from vamp_sglang.tiny_moe import make_checkpoint
+from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
 pytestmark = pytest.mark.server

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
-from vamp_sglang.tiny_moe import make_checkpoint
+from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
 pytestmark = pytest.mark.server

@@ -3,12 +3,15 @@ load through transformers (the same hub layout SGLang's loader reads)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from vamp_sglang.tiny_moe import MANIFEST, WEIGHTS, TinyMoeSpec, main, make_checkpoint, read_manifest
+from vamp_sglang.tiny_moe.__main__ import main
+from vamp_sglang.tiny_moe.checkpoint import ARCHS, MANIFEST, WEIGHTS, make_checkpoint, read_manifest, spec_for
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 SMALL = {"layers": 2, "experts": 8, "top_k": 2, "hidden": 64, "intermediate": 32,
          "heads": 4, "kv_heads": 2, "head_dim": 16}
@@ -20,8 +23,9 @@ def small_qwen(tmp_path_factory):
 
 
 def test_default_geometry_matches_issue():
-    spec = TinyMoeSpec()
+    spec = spec_for()
     assert (spec.arch, spec.layers, spec.experts, spec.top_k, spec.hidden) == ("qwen3_moe", 6, 128, 2, 256)
+    assert dataclasses.asdict(spec) == dataclasses.asdict(TinyMoeSpec())  # eval's benchmarks size from this
     assert spec.expert_bytes_per_layer == 96 * 2**20
     assert spec.kv_bytes_per_token == 6 * 1024
     # 25% of the five eligible layers' experts buys about 20k tokens (issue 2)
@@ -127,12 +131,12 @@ def small_next(tmp_path_factory):
 
 
 def test_qwen3_next_default_geometry():
-    spec = TinyMoeSpec.for_arch("qwen3_next")
+    spec = spec_for("qwen3_next")
     assert (spec.layers, spec.full_attention_interval, spec.attention_layers) == (8, 4, (3, 7))
     assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_head_dim, spec.conv_kernel) == (2, 4, 64, 4)
     assert spec.expert_bytes_per_layer == 96 * 2**20 and spec.kv_bytes_per_token == 2048
     assert spec.linear_state_bytes == 6 * (4 * 64 * 64 + 512 * 3) * 4
-    assert TinyMoeSpec.for_arch("qwen3_moe") == TinyMoeSpec()  # other archs keep their defaults
+    assert all(spec_for(arch).layers == 6 for arch in ARCHS if arch != "qwen3_next")  # others keep theirs
 
 
 def test_qwen3_next_config_is_what_sglang_reads(small_next):

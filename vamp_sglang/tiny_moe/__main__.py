@@ -1,0 +1,64 @@
+"""A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
+
+    python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N]
+
+Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per
+token, and whatever else the family records). A spec that fails its checks is a usage error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from vamp_sglang.tiny_moe.checkpoint import (
+    ARCHS,
+    DEFAULT_ARCH,
+    FAMILIES,
+    read_manifest,
+    spec_for,
+    write_checkpoint,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vamp_sglang.tiny_moe",
+                                     description=__doc__.splitlines()[0])
+    defaults = FAMILIES[DEFAULT_ARCH]()
+    other_layers = ", ".join(f"{arch}: {family().layers}" for arch, family in FAMILIES.items()
+                             if family().layers != defaults.layers)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"default {defaults.layers}" + (f" ({other_layers})" if other_layers else ""))
+    parser.add_argument("--experts", type=int, default=defaults.experts)
+    parser.add_argument("--top-k", type=int, default=defaults.top_k)
+    parser.add_argument("--hidden", type=int, default=defaults.hidden)
+    parser.add_argument("--intermediate", type=int, default=defaults.intermediate)
+    parser.add_argument("--heads", type=int, default=defaults.heads)
+    parser.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    args = parser.parse_args(argv)
+    fields = {k: v for k, v in vars(args).items() if k != "out_dir" and v is not None}
+    start_s = time.perf_counter()
+    try:
+        spec = spec_for(**fields)
+        out = write_checkpoint(args.out_dir, spec)
+    except ValueError as exc:
+        parser.error(str(exc))
+    manifest = read_manifest(out)
+    expert_bytes = manifest["expert_bytes_per_layer"]
+    print(
+        f"{out}: {manifest['spec']['arch']} seed={manifest['spec']['seed']} "
+        f"params={manifest['params'] / 1e6:.1f}M vocab={manifest['vocab_size']} "
+        f"expert_bytes_per_layer={expert_bytes} ({expert_bytes / 2**20:.1f} MiB) "
+        f"kv_bytes_per_token={manifest['kv_bytes_per_token']} "
+        + "".join(f"{key}={manifest[key]} " for key in spec.manifest_extras())
+        + f"({time.perf_counter() - start_s:.1f}s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Writing one tiny checkpoint: the families there are, then tokenizer, config, weights and manifest.
+
+A family is listed in FAMILIES, which the CLI's --arch offers. Writing is the same for every family:
+train the tokenizer (the model's vocab is its actual size), save the family's transformers config, draw
+every tensor the family names, save them as one safetensors file, and write the manifest last, so an
+interrupted run is redone and a finished one is reused untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
+from vamp_sglang.tiny_moe.mixtral import MixtralSpec
+from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
+from vamp_sglang.tiny_moe.qwen3_next import Qwen3NextSpec
+from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
+
+FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
+                                                                             Qwen3NextSpec)}
+ARCHS = tuple(FAMILIES)
+DEFAULT_ARCH = "qwen3_moe"
+MANIFEST = "vamp_tiny_moe.json"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+
+
+def spec_for(arch: str = DEFAULT_ARCH, **fields) -> TinyMoeSpec:
+    """The spec of `arch`'s family: its own defaults under the given fields (not yet validated)."""
+    if arch not in FAMILIES:
+        raise ValueError(f"arch={arch!r} must be one of {', '.join(ARCHS)}")
+    return FAMILIES[arch](**fields)
+
+
+def make_checkpoint(out_dir: str | Path, **spec_fields) -> Path:
+    """Write (or reuse) the checkpoint for `spec_for(**spec_fields)` in out_dir; returns out_dir."""
+    return write_checkpoint(out_dir, spec_for(**spec_fields))
+
+
+def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
+    """Write (or reuse) the checkpoint for `spec` in out_dir; returns out_dir.
+
+    Reuses out_dir untouched when its manifest records the same spec and every file has the
+    recorded size. The manifest is written last, so an interrupted run is redone.
+    """
+    from safetensors.torch import save_file
+
+    spec.validate()
+    out = Path(out_dir)
+    if _manifest_matches(out, spec):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+
+    tokenizer = train_tokenizer(spec.vocab)
+    tokenizer.save_pretrained(out)
+    vocab_size = len(tokenizer)
+    spec.model_config(vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id).save_pretrained(out)
+    tensors = {name: spec.draw(name, shape) for name, shape in spec.tensor_shapes(vocab_size).items()}
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "spec": spec.as_manifest(),
+        "files": files,
+        "params": sum(t.numel() for t in tensors.values()),
+        "vocab_size": vocab_size,
+        "expert_bytes_per_layer": spec.expert_bytes_per_layer,
+        "kv_bytes_per_token": spec.kv_bytes_per_token,
+    } | spec.manifest_extras()
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def _manifest_matches(out_dir: Path, spec: TinyMoeSpec) -> bool:
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return False
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("spec") != spec.as_manifest():
+        return False
+    return all((out_dir / name).is_file() and (out_dir / name).stat().st_size == size
+               for name, size in manifest["files"].items())
+
+
+def read_manifest(out_dir: str | Path) -> dict:
+    """The manifest of a checkpoint written by `make_checkpoint` (spec, sizes, params)."""
+    return json.loads((Path(out_dir) / MANIFEST).read_text())
