@@ -34,7 +34,9 @@ def test_require_gpu_exits_nonzero_within_seconds_without_a_gpu(tmp_path):
 def test_dry_run_lists_the_sections(tmp_path):
     proc = run("--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert [line.split()[0] for line in proc.stdout.splitlines()] == SECTIONS
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == SECTIONS
+    assert len({line.index(" GPU") for line in lines}) == 1  # one column for "GPU ...", however long the name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the host smoke run is for machines without a GPU")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from eval.gpu_sections.toy_moe import fill_slots, routed_moe, toy_layers
 from vamp_sglang.integration.moe_staging import keep_moe_on_capture_stream
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
@@ -169,21 +170,12 @@ def _replay(capture: Capture, engine: StagingEngine, static: torch.Tensor, x0: t
     return out.clone()
 
 
-def _poison_slots(stores) -> None:
-    for store in stores:
-        for dst, _ in store.staging_pairs():
-            dst.fill_(float("nan"))
-    torch.cuda.synchronize()  # the copy stream is not ordered after the fill
-
-
 def check(backend, gpu: bool) -> dict:
     """A breakable-style graph over MoE blocks forking experts to a side stream: capture fails unless kept on the capture stream; replay exact."""
-    from eval.gpu_check import _toy_layers, routed_moe  # the MoE math the graphs section uses
-
     dev, dtype = backend.device, torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(19)
     before = backend.live_counts()
-    weights, layout = _toy_layers(backend, LAYER_IDS, EXPERTS, HIDDEN, INTER, dtype, gen)
+    weights, layout = toy_layers(backend, LAYER_IDS, EXPERTS, HIDDEN, INTER, dtype, gen)
     staging, stores = build_expert_stores(backend, layout, {k: v[:2] for k, v in weights.items() if k})
     engine = StagingEngine(stores, "async")
     paged = {s.layer_id: (s.w13, s.w2, weights[s.layer_id][2]) for s in stores}
@@ -203,11 +195,11 @@ def check(backend, gpu: bool) -> dict:
     for store in stores:
         for handle in store.offload_tail_pages(groups):
             backend.release(handle)
-    _poison_slots(stores)
+    fill_slots(stores, float("nan"))
     result["stale_slots_read_without_the_breaks"] = bool(
         torch.isnan(_replay(capture, engine, static, x0, out, breaks=False)).any())
     engine.drain()  # the forward-start prefetch that replay issued must not count for the next one
-    _poison_slots(stores)
+    fill_slots(stores, float("nan"))
     replayed = _replay(capture, engine, static, x0, out)
     result["replay_after_offload_equals_replay_before"] = torch.equal(replayed, reference)
     result["replay_max_abs_diff"] = float((replayed.float() - reference.float()).abs().max())
