@@ -15,7 +15,7 @@ reported separately; one failing does not stop the others:
   driver               driver_rules: what the driver itself enforces, bypassing our bookkeeping (GPU only).
   remap                remap_rate: create / map / unmap / remap / release of 1 GiB of pages, ms per GiB.
   graphs               graph_segments: captured segments with eager staging breaks over offloaded experts,
-                       bit for bit against the unpaged reference; restore; no page leaked.
+                       bit for bit against runs of the same kernels; restore; no page leaked.
   overlap              staging_overlap: staging hidden behind Qwen3-Next-sized MoE compute at batch 1/16/64.
   routed               routed_staging: routed-only staging, the device copy list in a CUDA graph (issue 12).
   state                state_growth: layer-strided linear-attention state tensors grown and shrunk in place.
