@@ -6,7 +6,7 @@ its length on the device, so the routed copy needs no host sync: it runs inside 
 breakable CUDA graph at every replay (or inside a full graph), on the compute stream, right before the
 layer's MoE kernel. The gather writes the expert tensors' own rows (`gpu[dst*row] = host[src*row]`), the
 addresses already aliased onto the staging slot, reading the pinned host copy through its UVA pointer.
-Written without a GPU at hand; eval/gpu_check.py's `routed_copy` section exercises the copy list and,
+Written without a GPU at hand; eval/gpu_check.py's `routed` section exercises the copy list and,
 where SGLang is installed, this gather.
 """
 
