@@ -29,11 +29,15 @@ RATIO = 0.5  # bound: 2 of the 4 groups
 
 @pytest.fixture(scope="module")
 def sglang_moe():
+    from sglang.srt.distributed.parallel_state import destroy_model_parallel
     from sglang.test.layer_ut_utils import init_single_process_dist
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # built anew for each module: a module before this one may have reset SGLang's runtime context, where
+    # the groups and the EP rank MoE blocks read live (tests/test_radix_core.py publishes a tokenizer's)
+    destroy_model_parallel()
     init_single_process_dist(master_port=port)
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
