@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vamp_sglang.integration import expert_memory as em
+from vamp_sglang.integration import expert_memory_hooks as hooks
 from vamp_sglang.integration import kv_pool, moe_staging
 from vamp_sglang.memory.backend import LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
@@ -67,10 +68,10 @@ def vamp(sglang_moe, monkeypatch):
     layers = make_layers(FusedMoE_)
     originals = [(l.w13_weight.detach().clone(), l.w2_weight.detach().clone()) for l in layers]
     experts = moe_staging.convert_experts(layers, backend, RATIO)
-    monkeypatch.setattr(em, "_process", em._Process(backend, experts))
+    monkeypatch.setattr(hooks, "_process", hooks._Process(backend, experts))
     monkeypatch.setattr(MHATokenToKVPool, "_create_buffers_normal",
-                        around(MHATokenToKVPool._create_buffers_normal, em._around_create_buffers_normal))
-    monkeypatch.setattr(FusedMoE, "run_moe_core", around(FusedMoE.run_moe_core, em._around_run_moe_core))
+                        around(MHATokenToKVPool._create_buffers_normal, hooks._around_create_buffers_normal))
+    monkeypatch.setattr(FusedMoE, "run_moe_core", around(FusedMoE.run_moe_core, hooks._around_run_moe_core))
 
     def build(page_size=1, publish=dict, states=None, tree_cache=None):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -84,7 +85,7 @@ def vamp(sglang_moe, monkeypatch):
         else:
             alloc = PagedTokenToKVPoolAllocator(size, page_size=page_size, dtype=torch.float32, device="cpu",
                                                 kvcache=pool, need_sort=False)
-        memory = em.ExpertMemory(experts, em._process.pool, alloc, publish=publish, quiesce=lambda: None,
+        memory = em.ExpertMemory(experts, hooks._process.pool, alloc, publish=publish, quiesce=lambda: None,
                                  states=states, tree_cache=tree_cache)
         ns.memory = memory
         return pool, alloc, memory
@@ -98,10 +99,10 @@ def vamp(sglang_moe, monkeypatch):
     yield ns
     if ns.memory is not None:
         ns.memory.repartitioner.close()
-    if em._process.pool is not None:
-        em._process.pool.kv.close()
-    if em._process.states is not None:
-        em._process.states.buffers.close()
+    if hooks._process.pool is not None:
+        hooks._process.pool.kv.close()
+    if hooks._process.states is not None:
+        hooks._process.states.buffers.close()
     experts.close()
     assert backend.live_counts() == LiveCounts(0, 0, 0), "a page was lost or is held twice"
     backend.close()
@@ -271,13 +272,13 @@ def test_hooks_pass_through_when_vamp_is_off(sglang_moe, monkeypatch):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     _, around = sglang_moe
-    monkeypatch.setattr(em, "_process", None)
+    monkeypatch.setattr(hooks, "_process", None)
     monkeypatch.setattr(MHATokenToKVPool, "_create_buffers_normal",
-                        around(MHATokenToKVPool._create_buffers_normal, em._around_create_buffers_normal))
+                        around(MHATokenToKVPool._create_buffers_normal, hooks._around_create_buffers_normal))
     pool = MHATokenToKVPool(64, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=HEAD_DIM,
                             layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     assert pool.k_buffer[0]._base is not None and pool.k_buffer[0]._base.shape[0] == 2  # SGLang's fused K/V
-    assert em.current_memory() is None
+    assert hooks.current_memory() is None
     with pytest.raises(kv_pool.UnsupportedPoolError, match="v_head_dim"):
         odd = MHATokenToKVPool.__new__(MHATokenToKVPool)
         odd.kv_cache_layout, odd.head_dim, odd.v_head_dim, odd.enable_custom_mem_pool = "nhd", 64, 32, False
@@ -330,8 +331,8 @@ def test_the_full_attention_pool_grows_under_its_hybrid_wrapper(vamp):
                                  head_dim=HEAD_DIM, full_attention_layer_ids=list(range(LAYERS)), device="cpu",
                                  mamba_pool=reqs.mamba_pool)
     alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
-    assert em._process.pool.pool is wrapper.full_kv_pool
-    memory = em.ExpertMemory(vamp.experts, em._process.pool, alloc, publish=dict, quiesce=lambda: None)
+    assert hooks._process.pool.pool is wrapper.full_kv_pool
+    memory = em.ExpertMemory(vamp.experts, hooks._process.pool, alloc, publish=dict, quiesce=lambda: None)
     vamp.memory = memory
     memory.offload(1, tokens_per_group())
     grown = POOL_TOKENS + tokens_per_group()
@@ -371,8 +372,8 @@ def hybrid(vamp):
     from tests.test_radix_hybrid import req_pool
 
     reqs = req_pool()
-    em._after_init_mamba_pool(None, reqs)
-    vamp.reqs, vamp.states = reqs, em._process.states
+    hooks._after_init_mamba_pool(None, reqs)
+    vamp.reqs, vamp.states = reqs, hooks._process.states
     no_state = {ComponentType.MAMBA: SimpleNamespace(value=None)}
     vamp.empty_tree = SimpleNamespace(root_node=SimpleNamespace(children={}, component_data=no_state))
     return vamp
@@ -465,7 +466,7 @@ def test_sglangs_state_allocation_is_given_back_before_the_state_pages_are_creat
         return reserve(nbytes)
 
     monkeypatch.setattr(vamp.backend, "reserve", reserve_and_look)
-    em._after_init_mamba_pool(None, reqs)
+    hooks._after_init_mamba_pool(None, reqs)
     assert held and set(held) == {0}, f"SGLang's state tensors still held {held[0]} bytes"
     assert state_tensors(reqs.mamba_pool) == tensors and all(bool((t == 0).all()) for t in tensors)
     assert tensors[-1].shape[1] == reqs.mamba_pool.size + 1
@@ -515,6 +516,6 @@ def test_the_start_up_offload_is_agreed_by_the_tp_ranks(vamp, gain, refuses, add
     from vamp_sglang.controller.rounds import RankRounds
 
     _, alloc, memory = vamp.build()
-    assert em.offload_at_start(memory, RankRounds(OtherRank(gain, refuses), lambda: 0), RATIO) == added
+    assert hooks.offload_at_start(memory, RankRounds(OtherRank(gain, refuses), lambda: 0), RATIO) == added
     assert (alloc.size, memory.offloaded_groups) == (POOL_TOKENS + added, 2 if added else 0)
     assert experts_exact(vamp)

@@ -144,7 +144,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     from vamp_sglang.controller import RankController
-    from vamp_sglang.integration.expert_memory import offload_at_start
+    from vamp_sglang.integration.expert_memory_hooks import offload_at_start
 
     memory = runtime.expert_memory
     if memory is None:
