@@ -46,10 +46,11 @@ def sglang_moe():
     return FusedMoE, lambda original, hook: _wrap_fn(original, hook, HookType.AROUND)
 
 
-def make_layers(FusedMoE, seed=0):
+def make_layers(FusedMoE, seed=0, fused_shared_experts=0):
     g = torch.Generator().manual_seed(seed)
     layers = torch.nn.ModuleList(
-        FusedMoE(num_experts=E, hidden_size=H, intermediate_size=I, layer_id=i, top_k=2,
+        FusedMoE(num_experts=E + fused_shared_experts, hidden_size=H, intermediate_size=I, layer_id=i,
+                 top_k=2 + fused_shared_experts, num_fused_shared_experts=fused_shared_experts,
                  params_dtype=torch.float32) for i in range(LAYERS))
     for layer in layers:
         layer.w13_weight.data.copy_(torch.randn(layer.w13_weight.shape, generator=g) * 0.1)
@@ -58,14 +59,20 @@ def make_layers(FusedMoE, seed=0):
 
 
 @pytest.fixture
-def vamp(sglang_moe, monkeypatch):
+def fused_shared_experts():
+    """FusedMoE rows after the routed experts that hold a fused shared expert (Qwen3-Next on CUDA)."""
+    return 0
+
+
+@pytest.fixture
+def vamp(sglang_moe, monkeypatch, fused_shared_experts):
     """Paged experts + a real pool and allocator built through our hooks; yields a namespace."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     FusedMoE_, around = sglang_moe
     backend = HostPageBackend("cpu", granularity_bytes=GRAN)
-    layers = make_layers(FusedMoE_)
+    layers = make_layers(FusedMoE_, fused_shared_experts=fused_shared_experts)
     originals = [(l.w13_weight.detach().clone(), l.w2_weight.detach().clone()) for l in layers]
     experts = moe_staging.convert_experts(layers, backend, RATIO)
     monkeypatch.setattr(hooks, "_process", hooks._Process(backend, experts))
@@ -346,10 +353,12 @@ def experts_exact(vamp):
     """Every resident expert's bytes, the resident part of the offloadable tail included, equal the
     weights loaded (offloaded experts read the staging slot, which a forward refills)."""
     resident = {store.layer_id: store.boundary_expert for store in vamp.experts.stores}
-    return all(torch.equal(layer.w13_weight[:b], w13[:b]) and torch.equal(layer.w2_weight[:b], w2[:b])
-               for layer, (w13, w2) in zip(vamp.layers, vamp.originals) for b in [resident.get(layer.layer_id, E)])
+    return all(torch.equal(now[:b], loaded[:b]) and torch.equal(now[E:], loaded[E:])  # E: fused shared ones
+               for layer, (w13, w2) in zip(vamp.layers, vamp.originals) for b in [resident.get(layer.layer_id, E)]
+               for now, loaded in ((layer.w13_weight, w13), (layer.w2_weight, w2)))
 
 
+@pytest.mark.parametrize("fused_shared_experts", [0, 1])
 def test_a_publish_failing_after_the_new_rows_are_zeroed_leaves_every_expert_byte(vamp):
     """Issue 19 item 2: the new KV rows (pages just taken from the experts) are zeroed before the publish;
     when the publish then fails, the pages go back under the expert tensors, which must read exactly

@@ -221,8 +221,13 @@ class ExpertStore:
             self._move(-n_groups, j, lambda w, first, end: w.restore_pages(
                 first, end, [next(pages) for _ in range(first, end)], j))
             self._set_offloaded(self.offloaded_groups - n_groups, j)
-            for weight in (self._w13, self._w2):
-                weight.copy_from_host(old_boundary, self.boundary_expert)
+            self.copy_from_host(old_boundary, self.boundary_expert)
+
+    def copy_from_host(self, first_expert: int, end_expert: int) -> None:
+        """Write experts [first, end) of both weights back from the host copy (their pages may hold KV
+        bytes: a restore, or an offload being rolled back)."""
+        for weight in (self._w13, self._w2):
+            weight.copy_from_host(first_expert, end_expert)
 
     @property
     def boundary_expert(self) -> int:

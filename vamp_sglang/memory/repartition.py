@@ -227,9 +227,7 @@ class Repartitioner:
         """A rolled-back offload: the experts whose pages it lent out read their host copy again."""
         first, end = self.layout.boundary_expert(offloaded_groups), self.layout.boundary_expert(resident_from)
         for store in self.stores:
-            for tensor, host in ((store.w13, store.host_w13), (store.w2, store.host_w2)):
-                skip = tensor.shape[0] - host.shape[0]  # the host copy holds the offloadable tail only
-                tensor[first:end].copy_(host[first - skip:end - skip])
+            store.copy_from_host(first, end)
 
     def _state_rows_gained(self, n_groups: int) -> int:
         return self.state_rows_at(self._state_groups + n_groups) - self.state_rows_at(self._state_groups)
