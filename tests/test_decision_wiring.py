@@ -266,3 +266,25 @@ def test_an_over_slo_restore_leaves_the_running_requests_reservations_free(maker
     assert restore["restore_state"]["reserve_tokens"] == reserve
     assert restore["outcome"]["restored_groups"] > 0
     assert maker.alloc.available_size() >= reserve
+
+
+def test_a_view_agreed_while_a_rank_was_missing_is_agreed_again_once_the_rounds_resume(two_ranks):  # noqa: F811
+    """Reviewer's find: a rank late for the start-up offload round backs every rank off; the view agreed
+    right after it (setup_scheduler's refresh) then fell back to no headroom, and only a remap refreshed
+    it, so VAMP stayed off for the server's life. Two ranks over real ipc sockets."""
+    from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS
+    from vamp_sglang.faults import Faults
+    from vamp_sglang.integration.plan_inputs import VIEW_RECHECK_STEPS, PlanInputs
+
+    rounds, step = two_ranks
+    memory = SimpleNamespace(headroom_groups=lambda: 4, tokens_for=lambda groups: 100 * groups)
+    inputs = [PlanInputs(memory, rounds[rank], VampConfig(), SimpleNamespace(guard=None), lambda: step.now, 2)
+              for rank in range(2)]
+    rounds[1].faults = Faults.parse("agree-timeout:1", seed=0)
+    assert on_both(rounds, lambda rank, r: r.agree(1, purpose="start-offload")) == [0, 0]
+    rounds[1].faults = Faults.parse(None)
+    on_both(rounds, lambda rank, r: inputs[rank].refresh_view())  # held back: no headroom agreed
+    assert [i.offer().headroom_groups for i in inputs] == [0, 0]
+    step.now += max(ROUND_BACKOFF_STEPS, VIEW_RECHECK_STEPS)
+    assert [i.offer(may_agree=False).headroom_groups for i in inputs] == [0, 0]  # a stats read holds no round
+    assert on_both(rounds, lambda rank, r: inputs[rank].offer().tokens_by_groups) == [(100, 200, 300, 400)] * 2

@@ -4,7 +4,9 @@ A plan is a pure function of its snapshot, and SGLang's scheduling is replicated
 alike as long as every input that is local is agreed first:
 - the offload view: the exact KV tokens 1, 2, ... more groups add (Eq. 3's gain), checked by a
   fingerprint round after start-up and after every remap; ranks whose geometry differs are offered
-  only "all the headroom at once", at the agreed minimum of its gain;
+  only "all the headroom at once", at the agreed minimum of its gain. A view agreed without that
+  round's success (a rank missed it, or the rounds were backed off) is agreed again at the first
+  decision VIEW_RECHECK_STEPS steps later, so one lost round does not leave VAMP off until a remap;
 - the calibrated coefficients t_prefill, c_reload and t_queue (Eqs. 2-4): timings differ by rank, so
   the ranks take the agreed minimum, re-agreed every COEFFICIENT_AGREE_STEPS steps;
 - the TPOT guard's cap on the groups one decision may offload (its timings are local too), agreed
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
 COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
+VIEW_RECHECK_STEPS = 256  # a view agreed without a successful fingerprint round is agreed again this late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,7 @@ class PlanInputs:
         self.base_coefficients = Coefficients.from_config(config)
         self.offload_blocked_until_step = 0
         self.view = NO_HEADROOM
+        self._view_agreed_at_step: int | None = None  # None: the view's fingerprint round succeeded
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
         self._guard_cap: int | None = None  # the guard's cap last agreed by the ranks (several ranks only)
@@ -76,7 +80,9 @@ class PlanInputs:
         headroom = self.memory.headroom_groups()
         local = tuple(self.memory.tokens_for(n) for n in range(1, headroom + 1))
         fingerprint = zlib.crc32(repr((headroom, local)).encode()) & 0x7FFFFFFF
+        self._view_agreed_at_step = None
         if not self.rounds.all_equal(fingerprint, purpose="view"):
+            self._view_agreed_at_step = self.step_fn()  # every rank saw the round fail (or skipped it)
             groups = self.rounds.agree(headroom, purpose="view-groups")
             total = self.rounds.agree(self.memory.tokens_for(groups) if groups else 0, purpose="view-tokens")
             logger.warning("vamp: TP ranks differ in KV gain per expert group; offering only %d groups "
@@ -89,9 +95,14 @@ class PlanInputs:
         """An offload failed on some rank (every rank saw the vote): offer nothing for a while."""
         self.offload_blocked_until_step = self.step_fn() + OFFLOAD_RETRY_STEPS
 
-    def offer(self) -> OffloadView:
+    def offer(self, may_agree: bool = True) -> OffloadView:
         """The headroom plans and admission may use now (none for a while after a failed offload or
-        a missed agreement round, none at all once this rank could not undo a remap)."""
+        a missed agreement round, none at all once this rank could not undo a remap). `may_agree` False
+        (a stats request, outside the replicated schedule) never re-agrees a view."""
+        stale_since = self._view_agreed_at_step
+        if may_agree and stale_since is not None and not self.rounds.blocked \
+                and self.step_fn() - stale_since >= VIEW_RECHECK_STEPS:
+            self.refresh_view()
         blocked = self.step_fn() < self.offload_blocked_until_step or self.rounds.blocked
         return NO_HEADROOM if blocked or self.rounds.undo_failures else self.view
 

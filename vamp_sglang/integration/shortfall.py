@@ -222,7 +222,7 @@ class DecisionMaker:
     def admission_headroom_tokens(self, may_agree: bool = True) -> int:
         """KV tokens offloading may still add for admission: the headroom, capped by the TPOT guard.
         `may_agree` False (stats requests) reads the last agreed cap instead of starting a round."""
-        view = self.inputs.offer()
+        view = self.inputs.offer(may_agree)
         cap = self.inputs.guard_cap_groups(may_agree)
         groups = view.headroom_groups if cap is None else min(view.headroom_groups, cap)
         return view.tokens_by_groups[groups - 1] if groups else 0
