@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker, on_both, two_ranks  # noqa: F401
-from tests.test_integration_memory import H, moe_outputs, router_outputs, sglang_moe, vamp  # noqa: F401
+from tests.test_integration_memory import (  # noqa: F401 (fixtures)
+    H,
+    fused_shared_experts,
+    moe_outputs,
+    router_outputs,
+    sglang_moe,
+    vamp,
+)
 from vamp_sglang.config import VampConfig
 from vamp_sglang.integration import (
     decision_hooks,

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from tests.test_integration_memory import sglang_moe, vamp  # noqa: F401 (fixtures)
+from tests.test_integration_memory import fused_shared_experts, sglang_moe, vamp  # noqa: F401 (fixtures)
 from vamp_sglang.config import VampConfig
 from vamp_sglang.controller import RankController
 from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS, RankRounds
