@@ -17,7 +17,7 @@ from eval.multiturn import MultiTurnSpec
 from eval.servers import ServerSetup, ensure_tiny_model
 from vamp_sglang.controller.keys import generate_key_file
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (several servers each)
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"  # shared by the server tests
 POOL_TOKENS = 2048

@@ -28,7 +28,7 @@ from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
 from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_next_reference import TinyNextReference
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (several servers each)
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-next"
 POOL_TOKENS = 512
 # Final context 96 + 5 * (48 + 8) + 8 = 384 tokens a session: one fits the pool, three need 1152.

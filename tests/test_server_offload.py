@@ -17,7 +17,7 @@ import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (several servers each)
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"  # shared by the server tests
 
