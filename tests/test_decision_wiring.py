@@ -295,3 +295,55 @@ def test_a_view_agreed_while_a_rank_was_missing_is_agreed_again_once_the_rounds_
     step.now += max(ROUND_BACKOFF_STEPS, VIEW_RECHECK_STEPS)
     assert [i.offer(may_agree=False).headroom_groups for i in inputs] == [0, 0]  # a stats read holds no round
     assert on_both(rounds, lambda rank, r: inputs[rank].offer().tokens_by_groups) == [(100, 200, 300, 400)] * 2
+
+
+def test_a_hybrid_models_restore_compacts_the_full_attention_pool_the_trigger_hands_in(vamp, monkeypatch):  # noqa: F811
+    """Issue 19.15: the hybrid compaction fix was tested on `compact_tail` with the right pool handed in,
+    not on the caller that chooses it. Here the restore trigger itself compacts on a hybrid model, whose
+    allocator serves SGLang's HybridLinearKVPool wrapper (it has no K/V buffers of its own): the rows
+    must move in the wrapper's full-attention pool, the one VAMP grew, with their bytes."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from tests.test_decisions import tree_and_scheduler
+    from tests.test_integration_memory import HEAD_DIM, KV_HEADS, LAYERS, POOL_TOKENS
+    from tests.test_radix_hybrid import req_pool
+    from vamp_sglang.controller import RankController
+    from vamp_sglang.integration import expert_memory, expert_memory_hooks, restore_trigger
+    from vamp_sglang.integration.shortfall import DecisionMaker
+
+    reqs = req_pool()
+    wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,
+                                 head_dim=HEAD_DIM, full_attention_layer_ids=list(range(LAYERS)), device="cpu",
+                                 mamba_pool=reqs.mamba_pool)
+    alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
+    memory = vamp.memory = expert_memory.ExpertMemory(vamp.experts, expert_memory_hooks._process.pool, alloc,
+                                                      publish=dict, quiesce=lambda: None)
+    tree, scheduler = tree_and_scheduler(alloc, page_size=1)
+    runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5, restore_after_steps=20), 0, False)
+    radix_backend.bind_step_source(tree, lambda: scheduler.forward_ct)
+    runtime.expert_memory = memory
+    dm = runtime.decision_maker = DecisionMaker(runtime, memory, RankController(0, 1, None), 2)
+    monkeypatch.setattr(decision_hooks, "current", lambda: runtime)
+    memory.offload(1, memory.tokens_for(1))
+    dm.inputs.refresh_view()
+    held = alloc.alloc(alloc.available_size() - 20)
+    cache_prompts(SimpleNamespace(tree=tree, alloc=alloc), 2, 10)  # the pool's last rows, cached
+    alloc.free(held)
+    full = wrapper.full_kv_pool
+    tail_rows = torch.cat([n.component_data[0].value for n in radix_tree.tree_core_of(tree).device_nodes()
+                           if n.component_data[0].value is not None and n.component_data[0].value.numel()])
+    for buffer in (*full.k_buffer, *full.v_buffer):
+        buffer[tail_rows] = torch.arange(1, tail_rows.numel() + 1, dtype=buffer.dtype)[:, None, None]
+    scheduler.is_fully_idle = lambda: True
+    decision_hooks._before_on_idle(scheduler)
+    clock = [time.monotonic() + 11.0]
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    decision_hooks._before_on_idle(scheduler)
+    assert dm.counts["errors"] == 0 and memory.offloaded_groups == 0 and alloc.size == POOL_TOKENS
+    moved = torch.cat([n.component_data[0].value for n in radix_tree.tree_core_of(tree).device_nodes()
+                       if n.component_data[0].value is not None and n.component_data[0].value.numel()])
+    assert int(moved.max()) <= POOL_TOKENS
+    for buffer in (*full.k_buffer, *full.v_buffer):
+        assert torch.equal(buffer[moved][:, 0, 0], torch.arange(1, moved.numel() + 1, dtype=buffer.dtype))
+    tree.reset()
