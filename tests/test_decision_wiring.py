@@ -8,7 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_decisions import EVICT, allocator_context, cache_prompts, maker, on_both, two_ranks  # noqa: F401
+from tests.test_decisions import (  # noqa: F401 (fixtures)
+    EVICT,
+    allocator_context,
+    cache_prompts,
+    decisions_over,
+    go_idle_for_11_s,
+    maker,
+    offload_and_cache_the_tail,
+    on_both,
+    two_ranks,
+)
 from tests.test_integration_memory import (  # noqa: F401 (fixtures)
     H,
     fused_shared_experts,
@@ -29,8 +39,16 @@ from vamp_sglang.integration import (
 from vamp_sglang.integration.runtime import VampRuntime
 
 
-def forward_mode(decode: bool):
-    return SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
+def batch(decode: bool, extend_tokens: int = 0):
+    """What the run_batch hook reads of SGLang's batch: its forward mode and its prefill tokens."""
+    mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
+    return SimpleNamespace(forward_mode=mode, extend_num_tokens=extend_tokens)
+
+
+def run_on(scheduler, overlap=False, schedule_stream=None, forward_stream=None):
+    """The scheduler fields that say which loop runs the forward, and on which streams."""
+    vars(scheduler).update(enable_overlap=overlap, pp_group=SimpleNamespace(world_size=1),
+                           schedule_stream=schedule_stream, forward_stream=forward_stream)
 
 
 def test_a_decision_log_write_that_raises_never_reaches_sglangs_allocator(maker, monkeypatch):  # noqa: F811
@@ -64,9 +82,8 @@ def test_run_batch_times_a_prefill_on_the_stream_the_loop_runs_the_forward_on(ma
         return measure(tokens, stream)
 
     monkeypatch.setattr(timer, "measure", noting_the_stream)
-    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1),
-                                 schedule_stream="schedule_stream", forward_stream="forward_stream")
-    prefill = SimpleNamespace(forward_mode=forward_mode(decode=False), extend_num_tokens=64)
+    run_on(maker.scheduler, schedule_stream="schedule_stream", forward_stream="forward_stream")
+    prefill = batch(decode=False, extend_tokens=64)
     decision_hooks._around_run_batch(lambda scheduler, batch: None, maker.scheduler, prefill)
     maker.scheduler.enable_overlap = True
     decision_hooks._around_run_batch(lambda scheduler, batch: None, maker.scheduler, prefill)
@@ -81,8 +98,8 @@ def test_each_forward_feeds_c_eff_from_the_staging_wait_it_caused(maker, vamp): 
     memory.offload(1, memory.tokens_for(1))
     g = torch.Generator().manual_seed(3)
     x, topk = torch.randn(16, H, generator=g), router_outputs(g, 16)
-    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1), schedule_stream=None)
-    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    run_on(maker.scheduler)
+    decode = batch(decode=True)
     before_s = float(memory.experts.engine.stats().wait_s)
     decision_hooks._around_run_batch(lambda s, b: moe_outputs(vamp.layers, vamp.experts, x, topk),
                                      maker.scheduler, decode)
@@ -167,15 +184,10 @@ def test_a_busy_restore_moves_rows_only_after_the_forward_run_batch_launched(mak
     from vamp_sglang.integration import compaction
 
     dm = maker.make()
-    maker.memory.offload(2, maker.memory.tokens_for(2))
-    dm.inputs.refresh_view()
-    held = maker.alloc.alloc(maker.alloc.available_size() - 60)
-    cache_prompts(maker, 2, 30)  # the tree holds the pool's last rows: the restore must move them
-    maker.alloc.free(held)
+    offload_and_cache_the_tail(maker, groups=2, prompts=2, tokens_each=30)
     journal = []
-    vars(maker.scheduler).update(enable_overlap=True, pp_group=SimpleNamespace(world_size=1),
-                                 schedule_stream=StreamOrder("schedule_stream", journal),
-                                 forward_stream=StreamOrder("forward_stream", journal))
+    run_on(maker.scheduler, overlap=True, schedule_stream=StreamOrder("schedule_stream", journal),
+           forward_stream=StreamOrder("forward_stream", journal))
     compact = compaction.compact_tail
 
     def noting_the_compaction(*args, **kwargs):
@@ -183,7 +195,7 @@ def test_a_busy_restore_moves_rows_only_after_the_forward_run_batch_launched(mak
         return compact(*args, **kwargs)
 
     monkeypatch.setattr(compaction, "compact_tail", noting_the_compaction)
-    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    decode = batch(decode=True)
     for _ in range(maker.runtime.config.restore_after_steps):
         decision_hooks._around_run_batch(lambda s, b: None, maker.scheduler, decode)
         maker.scheduler.forward_ct += 1
@@ -202,8 +214,8 @@ def test_the_guard_charges_a_decode_step_only_what_it_waited_for_staging(maker, 
     memory, guard = maker.memory, dm.measurements.guard
     clock = [0.0]
     monkeypatch.setattr(step_measurements.time, "perf_counter", lambda: clock[0])
-    vars(maker.scheduler).update(enable_overlap=False, pp_group=SimpleNamespace(world_size=1), schedule_stream=None)
-    decode = SimpleNamespace(forward_mode=forward_mode(decode=True), extend_num_tokens=0)
+    run_on(maker.scheduler)
+    decode = batch(decode=True)
     idle_forward = lambda s, b: None  # nothing offloaded, nothing staged
     for _ in range(10):  # 30 ms steps with everything resident
         decision_hooks._around_run_batch(idle_forward, maker.scheduler, decode)
@@ -258,12 +270,7 @@ def test_an_over_slo_restore_leaves_the_running_requests_reservations_free(maker
 
     maker.runtime.config = dataclasses.replace(maker.runtime.config, tpot_slo_ms=100.0)
     dm = maker.make()
-    memory = maker.memory
-    memory.offload(2, memory.tokens_for(2))
-    dm.inputs.refresh_view()
-    held = maker.alloc.alloc(maker.alloc.available_size() - 40)
-    cache_prompts(maker, 4, 10)  # the pool's last rows, cached
-    maker.alloc.free(held)
+    offload_and_cache_the_tail(maker, groups=2, prompts=4, tokens_each=10)
     maker.scheduler.running_batch.reqs = [request(9), request(9)]
     vars(maker.scheduler).update(chunked_req=object(), chunked_prefill_size=16)
     monkeypatch.setattr(dm.measurements.guard, "wants_restore", lambda: True)
@@ -305,12 +312,9 @@ def test_a_hybrid_models_restore_compacts_the_full_attention_pool_the_trigger_ha
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
-    from tests.test_decisions import tree_and_scheduler
     from tests.test_integration_memory import HEAD_DIM, KV_HEADS, LAYERS, POOL_TOKENS
     from tests.test_radix_hybrid import req_pool
-    from vamp_sglang.controller import RankController
-    from vamp_sglang.integration import expert_memory, expert_memory_hooks, restore_trigger
-    from vamp_sglang.integration.shortfall import DecisionMaker
+    from vamp_sglang.integration import expert_memory, expert_memory_hooks
 
     reqs = req_pool()
     wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,
@@ -319,31 +323,23 @@ def test_a_hybrid_models_restore_compacts_the_full_attention_pool_the_trigger_ha
     alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=wrapper, need_sort=False)
     memory = vamp.memory = expert_memory.ExpertMemory(vamp.experts, expert_memory_hooks._process.pool, alloc,
                                                       publish=dict, quiesce=lambda: None)
-    tree, scheduler = tree_and_scheduler(alloc, page_size=1)
-    runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5, restore_after_steps=20), 0, False)
-    radix_backend.bind_step_source(tree, lambda: scheduler.forward_ct)
-    runtime.expert_memory = memory
-    dm = runtime.decision_maker = DecisionMaker(runtime, memory, RankController(0, 1, None), 2)
-    monkeypatch.setattr(decision_hooks, "current", lambda: runtime)
-    memory.offload(1, memory.tokens_for(1))
-    dm.inputs.refresh_view()
-    held = alloc.alloc(alloc.available_size() - 20)
-    cache_prompts(SimpleNamespace(tree=tree, alloc=alloc), 2, 10)  # the pool's last rows, cached
-    alloc.free(held)
+    ns = decisions_over(alloc, memory, monkeypatch)
+    dm = ns.make()
+    offload_and_cache_the_tail(ns, groups=1, prompts=2, tokens_each=10)
     full = wrapper.full_kv_pool
-    tail_rows = torch.cat([n.component_data[0].value for n in radix_tree.tree_core_of(tree).device_nodes()
-                           if n.component_data[0].value is not None and n.component_data[0].value.numel()])
+    tail_rows = cached_rows(ns.tree)
     for buffer in (*full.k_buffer, *full.v_buffer):
         buffer[tail_rows] = torch.arange(1, tail_rows.numel() + 1, dtype=buffer.dtype)[:, None, None]
-    scheduler.is_fully_idle = lambda: True
-    decision_hooks._before_on_idle(scheduler)
-    clock = [time.monotonic() + 11.0]
-    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
-    decision_hooks._before_on_idle(scheduler)
+    go_idle_for_11_s(ns.scheduler, monkeypatch)
     assert dm.counts["errors"] == 0 and memory.offloaded_groups == 0 and alloc.size == POOL_TOKENS
-    moved = torch.cat([n.component_data[0].value for n in radix_tree.tree_core_of(tree).device_nodes()
-                       if n.component_data[0].value is not None and n.component_data[0].value.numel()])
-    assert int(moved.max()) <= POOL_TOKENS
+    moved = cached_rows(ns.tree)
+    assert int(tail_rows.max()) > POOL_TOKENS >= int(moved.max())
     for buffer in (*full.k_buffer, *full.v_buffer):
         assert torch.equal(buffer[moved][:, 0, 0], torch.arange(1, moved.numel() + 1, dtype=buffer.dtype))
-    tree.reset()
+    ns.tree.reset()
+
+
+def cached_rows(tree):
+    """The KV rows every cached node of `tree` holds, node by node."""
+    values = (node.component_data[0].value for node in radix_tree.tree_core_of(tree).device_nodes())
+    return torch.cat([v for v in values if v is not None and v.numel()])

@@ -64,10 +64,9 @@ def tree_and_scheduler(alloc, page_size):
                                  token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=[]))
 
 
-@pytest.fixture
-def maker(vamp, monkeypatch):  # noqa: F811
-    """A DecisionMaker over a real pool (page size 1), tree and expert memory; faults via `.set_faults`."""
-    pool, alloc, memory = vamp.build(1)
+def decisions_over(alloc, memory, monkeypatch):
+    """Our tree over `alloc` (page size 1), a runtime holding `memory` that the hooks find, and `make`,
+    which builds its DecisionMaker (faults via `make(fault_spec)`)."""
     tree, scheduler = tree_and_scheduler(alloc, page_size=1)
     runtime = VampRuntime(scheduler, VampConfig(max_offload_ratio=0.5, restore_after_steps=20), 0, False)
     radix_backend.bind_step_source(tree, lambda: scheduler.forward_ct)
@@ -78,14 +77,21 @@ def maker(vamp, monkeypatch):  # noqa: F811
 
     def make(fault_spec=None):
         runtime.decision_maker = DecisionMaker(runtime, memory, RankController(0, 1, None), 2,
-                                                         Faults.parse(fault_spec, seed=0))
+                                               Faults.parse(fault_spec, seed=0))
         memory.faults = runtime.decision_maker.faults
         return runtime.decision_maker
 
-    ns = SimpleNamespace(pool=pool, alloc=alloc, memory=memory, tree=tree, scheduler=scheduler, runtime=runtime,
-                         make=make)
+    return SimpleNamespace(alloc=alloc, memory=memory, tree=tree, scheduler=scheduler, runtime=runtime, make=make)
+
+
+@pytest.fixture
+def maker(vamp, monkeypatch):  # noqa: F811
+    """A DecisionMaker over a real pool (page size 1), tree and expert memory."""
+    pool, alloc, memory = vamp.build(1)
+    ns = decisions_over(alloc, memory, monkeypatch)
+    ns.pool = pool
     yield ns
-    tree.reset()
+    ns.tree.reset()
 
 
 def cache_prompts(ns, count, tokens_each):
@@ -93,6 +99,24 @@ def cache_prompts(ns, count, tokens_each):
     for i in range(count):
         key = RadixKey(array("q", [10_000 + i] * tokens_each))
         ns.tree.insert(InsertParams(key=key, value=ns.alloc.alloc(tokens_each)))
+
+
+def offload_and_cache_the_tail(ns, groups, prompts, tokens_each):
+    """Offload `groups`, then cache `prompts` prompts in the pool's last rows: a restore must move them."""
+    ns.memory.offload(groups, ns.memory.tokens_for(groups))
+    ns.runtime.decision_maker.inputs.refresh_view()
+    held = ns.alloc.alloc(ns.alloc.available_size() - prompts * tokens_each)
+    cache_prompts(ns, prompts, tokens_each)
+    ns.alloc.free(held)
+
+
+def go_idle_for_11_s(scheduler, monkeypatch):
+    """The idle hook at the poll the server went idle, and again 11 s (of wall clock) later."""
+    scheduler.is_fully_idle = lambda: True
+    decision_hooks._before_on_idle(scheduler)
+    clock = [time.monotonic() + 11.0]
+    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
+    decision_hooks._before_on_idle(scheduler)
 
 
 def test_an_error_in_the_decision_code_falls_back_to_sglangs_eviction(maker, monkeypatch):
@@ -380,19 +404,11 @@ def test_an_error_in_restore_bookkeeping_never_reaches_the_scheduler(maker, monk
     from vamp_sglang.integration import compaction
 
     dm = maker.make()
-    maker.memory.offload(2, maker.memory.tokens_for(2))
-    dm.inputs.refresh_view()
-    held = maker.alloc.alloc(maker.alloc.available_size() - 60)
-    cache_prompts(maker, 2, 30)  # the tree holds the pool's last rows: the restore must move them
-    maker.alloc.free(held)
+    offload_and_cache_the_tail(maker, groups=2, prompts=2, tokens_each=30)
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in compaction")
 
     monkeypatch.setattr(compaction, "compact_tail", broken)
-    maker.scheduler.is_fully_idle = lambda: True
-    decision_hooks._before_on_idle(maker.scheduler)  # the server went idle
-    clock = [time.monotonic() + 11.0]
-    monkeypatch.setattr(restore_trigger.time, "monotonic", lambda: clock[0])
-    decision_hooks._before_on_idle(maker.scheduler)  # 11 s later: would raise into SGLang's event loop before
+    go_idle_for_11_s(maker.scheduler, monkeypatch)  # 11 s idle: would raise into SGLang's event loop before
     assert dm.counts["errors"] == 1 and maker.memory.offloaded_groups == 2
