@@ -37,6 +37,7 @@ from vamp_sglang.integration import (
     step_measurements,
 )
 from vamp_sglang.integration.runtime import VampRuntime
+from vamp_sglang.policy import Coefficients
 
 
 def batch(decode: bool, extend_tokens: int = 0):
@@ -247,7 +248,7 @@ def test_the_guard_cap_is_agreed_each_time_a_decision_evaluates_it(two_ranks):  
     memory = SimpleNamespace(headroom_groups=lambda: 4, tokens_for=lambda groups: 100 * groups)
     guards = [TpotGuard(100.0, smoothing=1.0) for _ in range(2)]
     inputs = [PlanInputs(memory, rounds[rank], VampConfig(tpot_slo_ms=100.0), SimpleNamespace(guard=guards[rank]),
-                         lambda: step.now, 2) for rank in range(2)]
+                         Coefficients(), lambda: step.now, 2) for rank in range(2)]
     on_both(rounds, lambda rank, r: inputs[rank].refresh_view())
     for guard in guards:
         guard.observe_decode_step(50.0, 0)
@@ -292,8 +293,8 @@ def test_a_view_agreed_while_a_rank_was_missing_is_agreed_again_once_the_rounds_
 
     rounds, step = two_ranks
     memory = SimpleNamespace(headroom_groups=lambda: 4, tokens_for=lambda groups: 100 * groups)
-    inputs = [PlanInputs(memory, rounds[rank], VampConfig(), SimpleNamespace(guard=None), lambda: step.now, 2)
-              for rank in range(2)]
+    inputs = [PlanInputs(memory, rounds[rank], VampConfig(), SimpleNamespace(guard=None), Coefficients(),
+                         lambda: step.now, 2) for rank in range(2)]
     rounds[1].faults = Faults.parse("agree-timeout:1", seed=0)
     assert on_both(rounds, lambda rank, r: r.agree(1, purpose="start-offload")) == [0, 0]
     rounds[1].faults = Faults.parse(None)

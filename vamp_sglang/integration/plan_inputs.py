@@ -52,25 +52,21 @@ NO_HEADROOM = OffloadView(0, ())
 class PlanInputs:
     """The agreed view, coefficients and guard cap of one scheduler process's decisions."""
 
-    def __init__(self, memory: Any, rounds: Any, config: Any, measurements: Any, step_fn: Callable[[], int],
-                 top_k: int) -> None:
+    def __init__(self, memory: Any, rounds: Any, config: Any, measurements: Any, base_coefficients: Coefficients,
+                 step_fn: Callable[[], int], top_k: int) -> None:
         self.memory = memory
         self.rounds = rounds
         self.config = config
         self.measurements = measurements  # the calibrator and the TPOT guard (step_measurements.py)
         self.step_fn = step_fn  # the scheduler's step counter (replicated)
         self.top_k = top_k
-        self.base_coefficients = Coefficients.from_config(config)
+        self.base_coefficients = base_coefficients  # configured (Coefficients.from_config)
         self.offload_blocked_until_step = 0
         self.view = NO_HEADROOM
         self._view_agreed_at_step: int | None = None  # None: the view's fingerprint round succeeded
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
         self._guard_cap: int | None = None  # the guard's cap last agreed by the ranks (several ranks only)
-
-    @property
-    def several_ranks(self) -> bool:
-        return self.rounds.several
 
     def refresh_view(self) -> None:
         """Agree on the exact gain of every number of groups (after start-up and every remap).
@@ -116,7 +112,7 @@ class PlanInputs:
             return None
         headroom = self.view.headroom_groups
         local = next((n for n in range(headroom, 0, -1) if guard.allows_offload(n)), 0)
-        if not self.several_ranks:
+        if not self.rounds.several:
             return local
         if may_agree:
             self._guard_cap = self.rounds.agree(local, purpose="guard")
@@ -127,11 +123,11 @@ class PlanInputs:
         COEFFICIENT_AGREE_STEPS steps (timings differ by rank, decisions must not)."""
         if not self.config.calibrate:
             return self.base_coefficients
-        if self.several_ranks and not may_agree:
+        if self.rounds.several and not may_agree:
             return self._agreed or self.base_coefficients
         measured = self.measurements.calibrator.apply(self.base_coefficients, self.top_k,
                                                       self.memory.layout.local_experts)
-        if not self.several_ranks:
+        if not self.rounds.several:
             return measured
         step = self.step_fn()
         if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:

@@ -58,13 +58,11 @@ class DecisionMaker:
         # the rounds' back-off counts steps and idle polls: an idle server takes no steps, and a miss
         # just before it went idle must not block its idle restore for good (found by a TP2 soak)
         self.rounds = RankRounds(controller, lambda: runtime.step + self.restorer.idle_polls_total, faults)
-        self.measurements = StepMeasurements(self.config, memory, Coefficients.from_config(self.config))
-        self.inputs = PlanInputs(memory, self.rounds, self.config, self.measurements, lambda: runtime.step, top_k)
+        self.base_coefficients = Coefficients.from_config(self.config)  # configured; measured ones replace them
+        self.measurements = StepMeasurements(self.config, memory, self.base_coefficients)
+        self.inputs = PlanInputs(memory, self.rounds, self.config, self.measurements, self.base_coefficients,
+                                 lambda: runtime.step, top_k)
         self.inputs.refresh_view()
-
-    @property
-    def base_coefficients(self) -> Coefficients:
-        return self.inputs.base_coefficients
 
     # --- the planner's input -----------------------------------------------------------------------
     def snapshot(self, gap_tokens: int, site: str, batch: Any, tree_cache: Any, coeffs: Coefficients,
