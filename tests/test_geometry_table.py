@@ -42,3 +42,14 @@ def test_a_model_with_a_single_moe_layer_reclaims_nothing():
     config = {**BUILTIN["qwen3-next-80b-a3b"], "num_hidden_layers": 4, "mlp_only_layers": [0, 1, 2]}
     row, = reclaim_rows(geometry_from_config(config, 2, "bfloat16"), [0.2], GIB)
     assert (row.offloaded_groups, row.reclaimed_bytes, row.kv_pool_bytes) == (0, 0, GIB)
+
+
+def test_mla_pages_split_over_one_latent_buffer_per_layer():
+    """DeepSeek-V3 at TP8: the pool has 61 latent buffers (not 122 K and V buffers), so each gains
+    floor(pages / 61) of the reclaimed pages; fewer than one page per buffer stays spare."""
+    geo = geometry_from_config(BUILTIN["deepseek-v3"], 8, "bfloat16")
+    assert geo.kv_buffers == len(geo.kv_layer_ids) == 61 and geo.kv_row_bytes == 576 * 2
+    row, = reclaim_rows(geo, [0.1], 8 * GIB)
+    pages = row.reclaimed_bytes // (2 << 20)
+    assert row.kv_pool_bytes - 8 * GIB == pages // 61 * 61 * (2 << 20)
+    assert 0 <= 8 * GIB + row.reclaimed_bytes - row.kv_pool_bytes < 61 * (2 << 20)

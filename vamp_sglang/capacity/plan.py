@@ -8,8 +8,10 @@ server runs (vamp_sglang.memory.geometry / layout):
   `--max-total-tokens` and rounded to its `--page-size`;
 - at ratio r: the layout's offload bound for VAMP-r (paper IV-C, staging slot as large as the bound,
   as the server allocates it) gives the groups offloaded from every eligible layer; their pages are
-  the reclaimed bytes (Table II), split evenly over the K and V buffers (V-A), and the pool grows by
-  the whole rows those pages hold, exactly as the server's KV buffers grow;
+  the reclaimed bytes (Table II), split evenly over the K and V buffers (V-A; MLA: the one latent
+  buffer per layer), and the pool grows by the whole rows those pages hold, exactly as the server's
+  KV buffers grow. With block-FP8 experts the pages are the 1-byte weights; their float32 block
+  scales stay resident (counted in the expert bytes, never reclaimed or staged);
 - staged bytes per decode step: the whole offloaded region of every eligible layer is copied in
   before its MoE kernel, whatever the router picks (paper IV-D), i.e. the reclaimed bytes; the TPOT
   bound is max(decode step time, staged bytes / host-to-device bandwidth).
@@ -24,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vamp_sglang.memory.geometry import ModelGeometry, dense_weight_bytes, geometry_from_config
+from vamp_sglang.capacity.weights import dense_weight_bytes
+from vamp_sglang.memory.geometry import ModelGeometry, geometry_from_config
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes, pages_for_rows
 
 GIB = 1 << 30
@@ -53,7 +56,7 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Baseline:
-    expert_bytes: int  # routed-expert weights on one rank
+    expert_bytes: int  # routed-expert weights on one rank, with their resident FP8 block scales
     dense_bytes: int  # every other weight on one rank
     tokens: int  # SGLang's pool size at start (max_total_num_tokens)
     pages_per_buffer: int  # pages each K or V buffer maps at start
@@ -106,8 +109,9 @@ class CapacityModel:
 
     @property
     def kv_buffers(self) -> int:
-        """One K and one V buffer per layer that holds a KV cache (paper V-A splits pages over them)."""
-        return 2 * len(self.geometry.kv_layer_ids)
+        """One K and one V buffer per layer that holds a KV cache, or MLA's one latent buffer per layer
+        (paper V-A splits the reclaimed pages over them)."""
+        return self.geometry.kv_buffers
 
     def layout(self, ratio: float) -> ExpertLayout:
         geo = self.geometry

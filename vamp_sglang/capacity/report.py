@@ -22,6 +22,9 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
         "geometry": {"local_experts": geo.local_experts, "group_experts": lay.group_experts,
                      "groups_per_layer": lay.groups_per_layer, "eligible_layers": len(lay.eligible_layer_ids),
                      "kv_bytes_per_token": geo.kv_bytes_per_token, "expert_gib_per_gpu": _gib(base.expert_bytes),
+                     "expert_scale_gib_per_gpu": _gib(geo.expert_scale_bytes_per_layer * len(geo.moe_layer_ids)),
+                     "expert_weights": geo.expert_quant.describe() if geo.expert_quant else d.dtype,
+                     "attention": "mla" if geo.mla_latent_dim else "mha", "kv_buffers": model.kv_buffers,
                      "dense_weight_gib_per_gpu": _gib(base.dense_bytes)},
         "baseline": baseline, "ratios": {}, "recommendation": None,
     }
@@ -54,7 +57,8 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
 def format_table(report: dict[str, Any]) -> str:
     b, geo = report["baseline"], report["geometry"]
     lines = [(f"{report['model']} on {report['tp']} GPU(s) of {report['gpu_mem_gib']} GiB, mem fraction "
-             f"{report['mem_fraction']}, {report['dtype']}: experts {geo['expert_gib_per_gpu']:.2f} GiB + other "
+             f"{report['mem_fraction']}, {report['dtype']} ({geo['attention'].upper()} KV, experts "
+             f"{geo['expert_weights']}): experts {geo['expert_gib_per_gpu']:.2f} GiB + other "
              f"weights {geo['dense_weight_gib_per_gpu']:.2f} GiB per GPU; groups of {geo['group_experts']} "
              f"experts, {geo['eligible_layers']} eligible layers"),
              f"staging at {report['h2d_gbps']} GB/s host-to-device, decode step {report['decode_ms']} ms"]

@@ -2,12 +2,19 @@
 
 Why: the expert layout (paper V-A) and the planner need the sizes of one rank's expert shards and KV rows
 before any weight exists (the benchmark prints them for models we cannot load here). Tensor parallelism
-as SGLang does it for MoE without expert parallelism: every rank holds all E experts, each sliced on the
-intermediate dimension; KV heads are split over ranks, and replicated when there are fewer heads than ranks.
+as SGLang does it for MoE without expert parallelism: every rank holds all E routed experts, each sliced on
+the intermediate dimension; KV heads are split over ranks, and replicated when there are fewer heads than
+ranks; MLA's latent KV (`kv_lora_rank + qk_rope_head_dim` per token and layer, one buffer per layer) is not
+split: SGLang's MLATokenToKVPool keeps the whole latent on every rank (its cell size has no TP factor).
 
 Reads Qwen2/Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`, `mlp_only_layers`),
-Qwen3-Next (`full_attention_interval` or `layer_types`: only full-attention layers hold a KV cache) and
-Mixtral (`num_local_experts`, `intermediate_size`) keys. Pure Python.
+Qwen3-Next (`full_attention_interval` or `layer_types`: only full-attention layers hold a KV cache),
+Mixtral (`num_local_experts`, `intermediate_size`) and DeepSeek-V2/V3 / Kimi-K2 (`n_routed_experts`,
+`first_k_dense_replace`, `moe_layer_freq`, MLA's `kv_lora_rank`) keys. Weights are the config's dtype, or
+with a `quantization_config` of `quant_method: fp8` and `weight_block_size: [128, 128]` (DeepSeek-V3,
+Kimi-K2, Qwen3-*-FP8) float8_e4m3fn, 1 byte per element, plus one float32 `weight_scale_inv` per 128x128
+block. The pages VAMP moves are the fp8 expert weights; the scales (~1/4096 of them) stay resident. Any
+other quantisation is refused naming its method. Pure Python.
 
 `python -m vamp_sglang.memory.geometry --model qwen3-next-80b-a3b --tp 2 --ratios 0.15,0.2` prints the
 paper's Table II from this geometry and the expert layout: groups offloaded per eligible layer at VAMP-r
@@ -27,10 +34,65 @@ from typing import Any
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+FP8_BLOCK = (128, 128)  # the block SGLang's FP8 MoE and DeepGEMM kernels take (DeepSeek-V3's layout)
+SCALE_BYTES = 4  # weight_scale_inv is float32
 
 
 class GeometryError(ValueError):
     """A config dict the geometry cannot be read from; the message names the key."""
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """A config's block-FP8 weights: which linear layers are float8_e4m3fn with per-block scales."""
+
+    method: str  # "fp8"
+    block: tuple[int, int]  # (block_n over output rows, block_k over input columns)
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert / ignored_layers, as the config names them
+
+    def converts(self, module: str) -> bool:
+        """Whether `module` (a name such as `self_attn.o_proj` or `mlp.experts`) is FP8: not named in the
+        ignore list, for any layer (published lists name the same modules in every layer)."""
+        return not any(entry == module or entry.endswith("." + module) for entry in self.not_converted)
+
+    def scale_bytes(self, rows: int, cols: int) -> int:
+        """The weight_scale_inv of one [rows, cols] weight (SGLang: ceil(rows/n) x ceil(cols/k) float32)."""
+        n, k = self.block
+        return -(-rows // n) * -(-cols // k) * SCALE_BYTES
+
+    def describe(self) -> str:
+        return f"{self.method} e4m3, {self.block[0]}x{self.block[1]} block scales"
+
+
+def weight_quant_from_config(config: Mapping[str, Any]) -> WeightQuant | None:
+    """None for unquantised weights; block FP8 as DeepSeek-V3's config writes it; GeometryError naming the
+    method for any quantisation the planner cannot price (mxfp4, awq, gptq, compressed-tensors, fp8 with
+    per-tensor scales or another block)."""
+    if config.get("compression_config"):
+        raise GeometryError("config key 'compression_config' (compressed-tensors): this quantisation cannot be "
+                            "priced; the planner prices unquantised weights and fp8 with 128x128 block scales")
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if not isinstance(quant, Mapping):
+        raise GeometryError(f"config key 'quantization_config' must be an object (got {quant!r})")
+    method = str(quant.get("quant_method", "")).lower()
+    unpriced = "the planner prices unquantised weights and fp8 with 128x128 block scales only"
+    if method != "fp8":
+        raise GeometryError(f"quantization_config.quant_method {method or None!r} cannot be priced: {unpriced}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        raise GeometryError(f"quantization_config: fp8 with per-tensor scales (no weight_block_size) cannot be "
+                            f"priced: {unpriced}")
+    if list(block) != list(FP8_BLOCK):
+        raise GeometryError(f"quantization_config: fp8 with weight_block_size {list(block)} cannot be priced: "
+                            f"{unpriced}")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":  # SGLang's Fp8Config refuses block scales with static activations
+        raise GeometryError(f"quantization_config: fp8 block scales with activation_scheme {scheme!r}: SGLang "
+                            "serves block-quantised fp8 with dynamic activations only")
+    ignored = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ()
+    return WeightQuant("fp8", FP8_BLOCK, tuple(str(m) for m in ignored))
 
 
 @dataclass(frozen=True)
@@ -40,62 +102,103 @@ class ModelGeometry:
     num_layers: int
     moe_layer_ids: tuple[int, ...]
     kv_layer_ids: tuple[int, ...]  # layers that hold a KV cache (all but linear-attention ones)
-    local_experts: int  # E per rank (TP-only: all experts)
+    local_experts: int  # routed experts E per rank (TP-only: all of them); shared experts are not here
     hidden_size: int
     moe_intermediate_per_rank: int  # I / tp
     kv_heads_per_rank: int
     head_dim: int
-    dtype_bytes: int
+    dtype_bytes: int  # the model dtype: KV cache and unquantised weights
     tp_size: int
+    expert_quant: WeightQuant | None = None  # block FP8 experts: 1 byte per element, scales resident
+    mla_latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim (one latent buffer per layer); 0: K and V
+
+    @property
+    def expert_element_bytes(self) -> int:
+        return 1 if self.expert_quant else self.dtype_bytes
 
     @property
     def w13_shard_bytes(self) -> int:
-        """One expert's gate+up weight on this rank: [2 * I/tp, H]."""
-        return 2 * self.moe_intermediate_per_rank * self.hidden_size * self.dtype_bytes
+        """One expert's gate+up weight on this rank: [2 * I/tp, H] (the pages VAMP moves; no scales)."""
+        return 2 * self.moe_intermediate_per_rank * self.hidden_size * self.expert_element_bytes
 
     @property
     def w2_shard_bytes(self) -> int:
         """One expert's down weight on this rank: [H, I/tp]."""
-        return self.hidden_size * self.moe_intermediate_per_rank * self.dtype_bytes
+        return self.hidden_size * self.moe_intermediate_per_rank * self.expert_element_bytes
+
+    @property
+    def expert_scale_bytes_per_layer(self) -> int:
+        """Every routed expert's w13 and w2 weight_scale_inv on this rank: resident, never paged."""
+        q = self.expert_quant
+        if q is None:
+            return 0
+        i, h = self.moe_intermediate_per_rank, self.hidden_size
+        return self.local_experts * (2 * q.scale_bytes(i, h) + q.scale_bytes(h, i))
+
+    @property
+    def kv_buffers_per_layer(self) -> int:
+        return 1 if self.mla_latent_dim else 2
+
+    @property
+    def kv_buffers(self) -> int:
+        """Buffers the KV pool keeps (and VAMP grows): K and V per KV layer, or MLA's one latent buffer."""
+        return self.kv_buffers_per_layer * len(self.kv_layer_ids)
 
     @property
     def kv_row_bytes(self) -> int:
-        """One token's K (or V) in one layer on this rank: heads * head_dim * itemsize."""
+        """One token's row in one buffer on this rank: K (or V) heads * head_dim, or the whole MLA latent."""
+        if self.mla_latent_dim:
+            return self.mla_latent_dim * self.dtype_bytes
         return self.kv_heads_per_rank * self.head_dim * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """One token's K and V over every KV layer on this rank."""
-        return 2 * len(self.kv_layer_ids) * self.kv_row_bytes
+        """One token's KV over every KV layer on this rank (SGLang's cell size)."""
+        return self.kv_buffers * self.kv_row_bytes
 
     @property
     def expert_bytes_per_layer(self) -> int:
-        return self.local_experts * (self.w13_shard_bytes + self.w2_shard_bytes)
+        """Routed-expert memory of one MoE layer on this rank: weights and their resident scales."""
+        return self.local_experts * (self.w13_shard_bytes + self.w2_shard_bytes) + self.expert_scale_bytes_per_layer
 
 
 def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str) -> ModelGeometry:
-    """Read a Qwen2/Qwen3-MoE, Qwen3-Next or Mixtral config dict for one rank of `tp_size`."""
+    """Read a Qwen2/Qwen3-MoE, Qwen3-Next, Mixtral or DeepSeek-V2/V3 config dict for one rank of `tp_size`."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise GeometryError(f"tp_size must be a positive integer (got {tp_size!r})")
     if dtype not in DTYPE_BYTES:
         raise GeometryError(f"dtype must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
-    layers = _int(config, "num_hidden_layers")
-    hidden = _int(config, "hidden_size")
+    quant = weight_quant_from_config(config)
+    layers = config_int(config, "num_hidden_layers")
+    hidden = config_int(config, "hidden_size")
     if "num_local_experts" in config:  # Mixtral: every layer is MoE, experts use intermediate_size
-        experts, inter = _int(config, "num_local_experts"), _int(config, "intermediate_size")
+        experts, inter = config_int(config, "num_local_experts"), config_int(config, "intermediate_size")
         moe_ids = tuple(range(layers))
+    elif "n_routed_experts" in config:  # DeepSeek-V2/V3, Kimi-K2: dense first layers, then MoE
+        experts, inter = config_int(config, "n_routed_experts"), config_int(config, "moe_intermediate_size")
+        moe_ids = deepseek_moe_layers(config, layers)
     else:
-        experts, inter = _int(config, "num_experts"), _int(config, "moe_intermediate_size")
+        experts, inter = config_int(config, "num_experts"), config_int(config, "moe_intermediate_size")
         moe_ids = _qwen_moe_layers(config, layers)
     if inter % tp_size:
         raise GeometryError(f"moe intermediate size {inter} is not divisible by tp_size {tp_size}")
-    kv_heads = _int(config, "num_key_value_heads")
-    head_dim = int(config.get("head_dim") or hidden // _int(config, "num_attention_heads"))
+    expert_quant = quant if quant and quant.converts("mlp.experts") else None
+    if expert_quant and (inter // tp_size) % expert_quant.block[0]:
+        raise GeometryError(f"--tp {tp_size}: the FP8 experts' intermediate size per rank {inter // tp_size} "
+                            f"({inter}/{tp_size}) is not a multiple of the {expert_quant.block[0]}-wide scale "
+                            "block; SGLang refuses this TP degree for block-quantised experts")
+    if config.get("kv_lora_rank"):  # MLA: one latent KV row per token and layer, whole on every rank
+        latent = config_int(config, "kv_lora_rank") + config_int(config, "qk_rope_head_dim")
+        kv_heads, head_dim = 1, latent
+    else:
+        latent = 0
+        kv_heads = max(1, config_int(config, "num_key_value_heads") // tp_size)
+        head_dim = int(config.get("head_dim") or hidden // config_int(config, "num_attention_heads"))
     return ModelGeometry(
         num_layers=layers, moe_layer_ids=moe_ids, kv_layer_ids=_kv_layers(config, layers),
         local_experts=experts, hidden_size=hidden, moe_intermediate_per_rank=inter // tp_size,
-        kv_heads_per_rank=max(1, kv_heads // tp_size), head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype],
-        tp_size=tp_size)
+        kv_heads_per_rank=kv_heads, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], tp_size=tp_size,
+        expert_quant=expert_quant, mla_latent_dim=latent)
 
 
 def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
@@ -103,6 +206,13 @@ def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
     step = int(config.get("decoder_sparse_step", 1))
     mlp_only = set(config.get("mlp_only_layers") or ())
     return tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
+def deepseek_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """SGLang's DeepseekV2DecoderLayer rule: MoE from first_k_dense_replace on, every moe_layer_freq-th."""
+    first = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    return tuple(i for i in range(layers) if i >= first and i % freq == 0)
 
 
 def _kv_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
@@ -118,43 +228,11 @@ def _kv_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
     return tuple(range(layers))
 
 
-def _int(config: Mapping[str, Any], key: str) -> int:
+def config_int(config: Mapping[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or value <= 0:
         raise GeometryError(f"config key {key!r} must be a positive integer (got {value!r})")
     return value
-
-
-def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str) -> int:
-    """Bytes of every weight one rank holds besides the routed experts: embeddings and LM head
-    (vocab-parallel), attention (heads split, KV heads replicated below tp), Qwen3-Next's
-    linear-attention layers, shared experts, routers and dense MLP layers.
-
-    Why: the KV pool at start is what the memory budget leaves after the weights (the capacity
-    planner's baseline, before any expert leaves). Norms and biases are left out (well under 0.1%)."""
-    geo = geometry_from_config(config, tp_size, dtype)
-    hidden, tp = geo.hidden_size, tp_size
-    vocab = _int(config, "vocab_size")
-    params = vocab * hidden // tp * (1 if config.get("tie_word_embeddings") else 2)
-    q_width = _int(config, "num_attention_heads") * geo.head_dim // tp
-    q_gate = 2 if config.get("model_type") == "qwen3_next" else 1  # Qwen3-Next gates attention output by q
-    attention = hidden * q_width * (q_gate + 1) + 2 * hidden * geo.kv_heads_per_rank * geo.head_dim
-    params += attention * len(geo.kv_layer_ids)
-    linear_layers = geo.num_layers - len(geo.kv_layer_ids)
-    if linear_layers:  # Qwen3-Next Gated DeltaNet: qkvz and ba projections, conv, output projection
-        key = _int(config, "linear_num_key_heads") * _int(config, "linear_key_head_dim")
-        value = _int(config, "linear_num_value_heads") * _int(config, "linear_value_head_dim")
-        kernel = int(config.get("linear_conv_kernel_dim", 4))
-        heads_v = _int(config, "linear_num_value_heads")
-        params += linear_layers * ((hidden * (2 * key + 2 * value) + hidden * 2 * heads_v
-                                    + (2 * key + value) * kernel + value * hidden) // tp)
-    shared = int(config.get("shared_expert_intermediate_size") or 0)
-    params += len(geo.moe_layer_ids) * (geo.local_experts * hidden + 3 * hidden * shared // tp
-                                        + (hidden if shared else 0))
-    dense_mlp_layers = geo.num_layers - len(geo.moe_layer_ids)
-    if dense_mlp_layers:
-        params += dense_mlp_layers * 3 * hidden * _int(config, "intermediate_size") // tp
-    return params * geo.dtype_bytes
 
 
 # ---- Table II ---------------------------------------------------------------------------------------
@@ -178,7 +256,7 @@ def reclaim_rows(geo: ModelGeometry, ratios: list[float], kv_pool_bytes: int,
                  page_bytes: int = PAGE_BYTES) -> list[ReclaimRow]:
     """Table II per ratio. Each K and V buffer of a KV layer gets the same whole number of the reclaimed
     pages (V-A), so the pool grows by at most the reclaimed bytes (the remainder pages stay spare)."""
-    buffers = 2 * len(geo.kv_layer_ids)
+    buffers = geo.kv_buffers
     rows = []
     for ratio in ratios:
         lay = ExpertLayout.compute(geo.moe_layer_ids, geo.local_experts, geo.w13_shard_bytes, geo.w2_shard_bytes,
@@ -210,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelConfigError, GeometryError, ValueError) as exc:
         parser.error(str(exc))
     print(f"{name} at TP{args.tp}: {geo.local_experts} experts x {len(geo.moe_layer_ids)} MoE layers "
-          f"({len(geo.moe_layer_ids) - 1} eligible), {len(geo.kv_layer_ids)} KV layers, {PAGE_BYTES >> 20} MiB pages")
+          f"({len(geo.moe_layer_ids) - 1} eligible), {len(geo.kv_layer_ids)} KV layers ({geo.kv_buffers} buffers), "
+          f"{PAGE_BYTES >> 20} MiB pages")
     print(f"{'ratio':>6} {'groups':>6} {'reclaimed GiB/GPU':>17} {'pool GiB/GPU':>12}")
     print(f"{0:>6} {0:>6} {0.0:>17.2f} {args.kv_pool_gib:>12.2f}")
     for row in rows:
