@@ -15,27 +15,18 @@ import argparse
 import math
 import random
 import time
-from array import array
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.mem_cache.radix_cache import RadixKey
-from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang.test.unified_allocator_fixtures import setup_allocator_context
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from vamp_sglang.integration import radix_backend, radix_tree
+from eval.cachesim.tree import TreeReplay, build, prepare
 
-CORES = {  # label: (tree core backend, eviction policy, cache class)
-    "rust (sglang default)": ("rust", "lru", UnifiedRadixCache),
-    "python (sglang)": ("python", "lru", UnifiedRadixCache),
-    "vamp stats + lru": (radix_backend.NAME, "lru", radix_tree.VampUnifiedRadixCache),
-    "vamp stats + p_eff order": (radix_backend.NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache),
+CORES = {  # label: simulator policy (eval.cachesim.tree.cache_spec: tree core, eviction policy, cache class)
+    "rust (sglang default)": "lru",
+    "python (sglang)": "python:lru",
+    "vamp stats + lru": "vamp+lru",
+    "vamp stats + p_eff order": "vamp",
 }
 
 
@@ -72,62 +63,31 @@ class Timer:
         return self.calls[op] / self.seconds[op] if self.seconds[op] else float("nan")
 
 
-def build(label: str, pool_tokens: int) -> tuple[UnifiedRadixCache, TokenToKVPoolAllocator, list[int]]:
-    backend, policy, cache_class = CORES[label]
-    kv = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.float16, head_num=1, head_dim=4,
-                          layer_num=1, device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=policy,
-                             tree_core_backend=backend)
-    cache = cache_class(params)
-    step = [0]
-    if isinstance(cache.tree_core, radix_tree.VampTreeCore):
-        radix_backend.bind_step_source(cache, lambda: step[0])
-    return cache, allocator, step
-
-
-def serve(cache, allocator, step: list[int], trace: list[list[int]], timer: Timer) -> int:
-    """Each request as the scheduler runs it; returns the prefix tokens served from the tree."""
-    core = cache.tree_core
+def serve(label: str, pool_tokens: int, trace: list[list[int]], timer: Timer):
+    """Each request as the scheduler runs it (eval.cachesim.tree.TreeReplay, every SGLang call timed);
+    returns the cache and the prefix tokens served from the tree."""
+    cache, allocator, step = build(CORES[label], pool_tokens)
+    replay = TreeReplay(cache, allocator, timer.run)
     hit_tokens = 0
     for tokens in trace:
         step[0] += 8  # a prefill and a few decode steps per request
-        key = RadixKey(array("q", tokens))
-        match = timer.run("match", cache.match_prefix, MatchPrefixParams(key=key))
-        prefix_len = match.device_prefix_len
-        hit_tokens += prefix_len
-        prefix = cache.path_device_indices(match.last_device_node)[:prefix_len]
-        lock = cache.lock(match.last_device_node)
-        if isinstance(core, radix_tree.VampTreeCore):
-            timer.run("admit", core.record_admission, match.last_device_node, prefix_len, len(tokens), True)
-        need = len(tokens) - prefix_len
-        if need > allocator.available_size():
-            timer.run("evict", cache.evict, EvictParams(num_tokens=need - allocator.available_size()))
-        new = allocator.alloc(need)
-        if new is not None:
-            params = InsertParams(key=key, value=torch.cat([prefix, new]), prev_prefix_len=prefix_len)
-            if isinstance(core, radix_tree.VampTreeCore):  # as VampUnifiedRadixCache.checkpoint_into_tree does
-                with core.written_by(prefix_len / len(tokens)):
-                    timer.run("insert", cache.insert, params)
-            else:
-                timer.run("insert", cache.insert, params)
-        cache.unlock(lock)
-    return hit_tokens
+        admission = replay.admit(tokens, len(tokens))
+        if admission is not None:
+            hit_tokens += admission.prefix_len
+            replay.finish(admission, tokens)
+    return cache, hit_tokens
 
 
 def bench(label: str, trace: list[list[int]], pool_tokens: int, drain_chunk_tokens: int) -> dict[str, float]:
     """Same tree for every core (no eviction), drained in chunks; then the trace under a small pool."""
     total_tokens = sum(map(len, trace))
     unbounded = Timer(defaultdict(float), defaultdict(int))
-    cache, allocator, step = build(label, total_tokens)
-    serve(cache, allocator, step, trace, unbounded)
+    cache, _ = serve(label, total_tokens, trace, unbounded)
     while cache.evictable_size() > 0:
         unbounded.run("drain", cache.evict, EvictParams(num_tokens=drain_chunk_tokens))
     bounded = Timer(defaultdict(float), defaultdict(int))
-    cache, allocator, step = build(label, pool_tokens)
     start = time.perf_counter()
-    hit_tokens = serve(cache, allocator, step, trace, bounded)
+    _, hit_tokens = serve(label, pool_tokens, trace, bounded)
     return {"match": unbounded.rate("match"), "insert": unbounded.rate("insert"), "admit": unbounded.rate("admit"),
             "drain": unbounded.rate("drain"), "evict": bounded.rate("evict"),
             "requests": len(trace) / (time.perf_counter() - start), "hit_rate": hit_tokens / total_tokens}
@@ -149,9 +109,7 @@ def main() -> None:
     parser.add_argument("--drain-chunk-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    setup_allocator_context()
-    radix_backend.install()
+    prepare()
     trace = make_trace(args.requests, args.sessions, args.seed)
     print(f"trace: {len(trace)} requests, {sum(map(len, trace))} tokens; bounded replay pool {args.pool_tokens} tokens")
     runs = [[bench(label, trace, args.pool_tokens, args.drain_chunk_tokens) for label in CORES]

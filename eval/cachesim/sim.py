@@ -1,0 +1,87 @@
+"""One replay of the requests through one policy's tree at one pool size, and the sweep over both.
+
+One request at a time by default: admit, then finish, so the tree holds only finished requests'
+KV and the miss-ratio curve and the optimum are well defined. `concurrency` C > 1 keeps up to C
+requests in flight, their prefixes locked and their new KV allocated outside the tree (so neither
+can be evicted); the next request is admitted only when it fits, finishing the oldest in flight
+until it does (a session's previous turn always finishes before its next one is admitted: closed
+loop). A request larger than the whole pool runs uncached (all of it missed, nothing inserted).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from tqdm import tqdm
+
+from eval.cachesim.bound import simulate_bound
+from eval.cachesim.oracle import FutureTrie, LiveLocator, OptStrategy
+from eval.cachesim.tree import Admission, TreeReplay, build
+from eval.cachesim.workload import SimRequest, decode_steps
+
+DEFAULT_POLICIES = ("lru", "lfu", "slru", "vamp", "opt")
+EXTRA_POLICIES = ("bound",)  # the token-granular optimum (bound.py)
+
+
+def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tokens: int,
+             concurrency: int = 1, progress: bool = False) -> dict[str, float | int]:
+    """Token hit rate over turns > 0, re-prefilled tokens (reusable but missed), evicted tokens."""
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1 (got {concurrency})")
+    if policy == "bound":
+        if concurrency != 1:
+            raise ValueError("the bound policy is defined one request at a time (--concurrency 1)")
+        return simulate_bound(requests, trie, pool_tokens)
+    cache, allocator, step = build(policy, pool_tokens)
+    now = [0]
+    if policy == "opt":
+        cache.tree_core.eviction_strategy = OptStrategy(trie, LiveLocator(trie, cache.tree_core.root_node),
+                                                        lambda: now[0])
+    replay = TreeReplay(cache, allocator)
+    inflight: deque[tuple[SimRequest, Admission]] = deque()
+    running: set[str] = set()
+    hits = [0] * len(requests)
+
+    def finish_oldest() -> None:
+        request, admission = inflight.popleft()
+        replay.finish(admission, request.tokens)
+        running.discard(request.session)
+
+    for request in tqdm(requests, desc=f"{policy} @ {pool_tokens}", unit="req", leave=False, disable=not progress):
+        now[0] = request.index
+        while request.session in running or len(inflight) >= concurrency:
+            finish_oldest()
+        total = len(request.prompt) + len(request.answer)
+        while (admission := replay.admit(request.prompt, total)) is None and inflight:
+            finish_oldest()
+        if admission is None:  # larger than the pool: served uncached
+            continue
+        hits[request.index] = admission.prefix_len
+        step[0] += decode_steps(request, concurrency)
+        inflight.append((request, admission))
+        running.add(request.session)
+    while inflight:
+        finish_oldest()
+    later = [r for r in requests if r.turn > 0]
+    prompt_tokens = sum(len(r.prompt) for r in later)
+    return {"hit_rate": sum(hits[r.index] for r in later) / prompt_tokens if prompt_tokens else 0.0,
+            "reprefill_tokens": sum(max(0, u - h) for u, h in zip(trie.unbounded_hits, hits)),
+            "evictions": replay.evicted_tokens}
+
+
+def sweep(requests: list[SimRequest], pools: Iterable[int], policies: Iterable[str], concurrency: int = 1,
+          trie: FutureTrie | None = None) -> dict[str, dict[str, dict[str, dict]]]:
+    """`{"pools": {"<pool tokens>": {"<policy>": {hit_rate, reprefill_tokens, evictions, vs_opt}}}}`;
+    vs_opt is the hit rate over opt's (None when opt is not among the policies)."""
+    trie = trie or FutureTrie(requests)
+    pools, policies = list(pools), list(policies)
+    runs = [(pool, policy) for pool in pools for policy in policies]
+    out: dict[str, dict[str, dict]] = {}
+    for pool, policy in tqdm(runs, desc="cachesim", unit="run"):
+        out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True)
+    for row in out.values():
+        opt = row.get("opt", {}).get("hit_rate")
+        for result in row.values():
+            result["vs_opt"] = None if opt is None else (result["hit_rate"] / opt if opt else 1.0)
+    return {"pools": out}
