@@ -38,10 +38,11 @@ def scheduler_setups() -> list[Callable[[Any, Any], None]]:
 
 
 def cpu_hooks() -> list[Hook]:
-    """Torch paths for Triton call sites (Qwen3-Next on CPU), placed only in CPU mode: GPUs keep Triton."""
-    from vamp_sglang.cpu import in_cpu_mode, triton_free
+    """Torch paths for Triton call sites (Qwen3-Next on CPU) and torch_native's MLA dispatch (DeepSeek on
+    CPU), placed only in CPU mode: GPUs keep Triton and their own attention backends."""
+    from vamp_sglang.cpu import in_cpu_mode, mla, triton_free
 
-    return list(triton_free.HOOKS) if in_cpu_mode() else []
+    return [*triton_free.HOOKS, *mla.HOOKS] if in_cpu_mode() else []
 
 
 def verify_hooks() -> None:

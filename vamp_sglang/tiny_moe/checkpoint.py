@@ -12,13 +12,15 @@ import json
 from pathlib import Path
 
 from vamp_sglang.tiny_moe.common import TinyMoeSpec
+from vamp_sglang.tiny_moe.deepseek import DeepseekV2Spec, DeepseekV3Spec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
 from vamp_sglang.tiny_moe.qwen3_next import Qwen3NextSpec
 from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
 
 FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
-                                                                             Qwen3NextSpec)}
+                                                                             Qwen3NextSpec, DeepseekV3Spec,
+                                                                             DeepseekV2Spec)}
 ARCHS = tuple(FAMILIES)
 DEFAULT_ARCH = "qwen3_moe"
 MANIFEST = "vamp_tiny_moe.json"
