@@ -80,7 +80,7 @@ def launch_argv(setup: ServerSetup, config: ServerConfig, port: int) -> list[str
     if config.plain_sglang and setup.device == "cpu":
         from vamp_sglang.cpu import cpu_server_defaults
 
-        argv += cpu_server_defaults()
+        argv += cpu_server_defaults(setup.model_path)
     return argv
 
 

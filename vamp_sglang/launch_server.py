@@ -184,7 +184,7 @@ def prepare(argv: list[str]) -> Launch:
         from vamp_sglang import cpu
 
         env.update(cpu.cpu_environment(sg.tp_size))
-        sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults())
+        sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults(sg.model_path))
         if hybrid_model.is_hybrid_linear(sg.model_path):  # Qwen3-Next: the flags its CPU path needs
             env.update(hybrid_model.hybrid_cpu_environment(os.environ))
             sglang_argv = _with_defaults(sglang_argv, hybrid_model.hybrid_cpu_defaults())

@@ -23,6 +23,7 @@ processes inherit it.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,16 +70,26 @@ def in_cpu_mode() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
-def cpu_server_defaults() -> list[str]:
+def cpu_server_defaults(model_path: str | None = None) -> list[str]:
     """SGLang flags CPU mode adds when the user did not give them.
 
     - `--attention-backend torch_native`: SGLang's CPU default, intel_amx, needs the real kernels.
     - `--sleep-on-idle`: the idle scheduler otherwise spins a core at 100%.
     - `--dtype float32`: `auto` turns a float32 checkpoint into float16
       (model_config.py `_get_and_verify_dtype`), slow on CPUs without native fp16 matmul; float32
-      also keeps greedy output comparable with transformers.
+      also keeps greedy output comparable with transformers. A quantised checkpoint (config.json has
+      a `quantization_config`) gets `bfloat16`: FP8 takes bf16/fp16 activations only
+      (quantization/fp8.py:326, checked by model_loader/loader.py:266).
     """
-    return ["--attention-backend", "torch_native", "--sleep-on-idle", "--dtype", "float32"]
+    dtype = "bfloat16" if _is_quantised(model_path) else "float32"
+    return ["--attention-backend", "torch_native", "--sleep-on-idle", "--dtype", dtype]
+
+
+def _is_quantised(model_path: str | None) -> bool:
+    config = Path(model_path) / "config.json" if model_path else None
+    if config is None or not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("quantization_config") is not None
 
 
 __all__ = ["SHIM_DIR", "cpu_environment", "cpu_server_defaults", "in_cpu_mode"]

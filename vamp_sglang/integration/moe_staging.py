@@ -108,13 +108,37 @@ def expert_device(model: torch.nn.Module) -> torch.device:
     return layers[0].w13_weight.device
 
 
-def _check_layer(layer: Any, reference: Any, device: torch.device) -> None:
+def unpageable_method(layer: Any) -> str | None:
+    """Why VAMP cannot page this layer's quant method, or None. Paged: unquantised experts, and
+    block-quantised FP8 (`Fp8MoEMethod` with `weight_block_size`, e4m3 weights [E, ...]). An FP8
+    expert's weights are paged like any others (1 byte per element); its `weight_scale_inv` tensors,
+    4 bytes per 128x128 block (1/4096 of the weights, less than one page for a whole layer), stay
+    resident, so an offloaded expert's scales are always where the kernel reads them and nothing
+    else about the method changes. Any other method (per-tensor FP8, MXFP8/MXFP4, INT4, W4A8, ...)
+    may lay its experts out in ways the pages do not follow, and is refused."""
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
+    method = layer.quant_method
+    name = type(method).__name__
+    if isinstance(method, UnquantizedFusedMoEMethod):
+        return None
+    if not isinstance(method, Fp8MoEMethod):
+        return f"quant method {name}"
+    if not method.block_quant:
+        return f"{name} with per-tensor scales"
+    if getattr(method, "use_mxfp8", False) or getattr(method, "is_fp4_expert", False):
+        return f"{name} with {'MXFP8' if getattr(method, 'use_mxfp8', False) else 'FP4'} experts"
+    if layer.w13_weight.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        return f"{name} with {layer.w13_weight.dtype} weights"
+    return None
+
+
+def _check_layer(layer: Any, reference: Any, device: torch.device) -> None:
     where = f"MoE layer {layer.layer_id}"
-    if not isinstance(layer.quant_method, UnquantizedFusedMoEMethod):
-        raise ExpertConversionError(f"{where}: quant method {type(layer.quant_method).__name__} is not "
-                                    f"supported (VAMP pages unquantized experts only)")
+    if (reason := unpageable_method(layer)) is not None:
+        raise ExpertConversionError(f"{where}: {reason} is not supported (VAMP pages unquantised and "
+                                    f"block-quantised FP8 experts; see README, Supported checkpoints)")
     for name in ("w13_weight", "w2_weight"):
         t, ref = getattr(layer, name), getattr(reference, name)
         if t.dim() != 3 or t.shape != ref.shape or t.dtype != ref.dtype or not t.is_contiguous():

@@ -1,6 +1,6 @@
 """A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
 
-    python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N]
+    python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N] [--quant fp8]
 
 Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per
 token, and whatever else the family records). A spec that fails its checks is a usage error (exit 2).
@@ -20,6 +20,8 @@ from vamp_sglang.tiny_moe.checkpoint import (
     spec_for,
     write_checkpoint,
 )
+from vamp_sglang.tiny_moe.common import QUANTS
+from vamp_sglang.tiny_moe.fp8 import FP8_INTERMEDIATE
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,12 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=defaults.experts)
     parser.add_argument("--top-k", type=int, default=defaults.top_k)
     parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    parser.add_argument("--intermediate", type=int, default=defaults.intermediate)
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help=f"default {defaults.intermediate}; {FP8_INTERMEDIATE} with --quant fp8 (the same bytes "
+                             f"per expert, so the same expert groups)")
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--kv-heads", type=int, default=defaults.kv_heads)
     parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--quant", choices=QUANTS, default=defaults.quant,
+                        help="fp8: block-quantised FP8 projections, with the bf16 source in OUT_DIR/bf16")
     args = parser.parse_args(argv)
     fields = {k: v for k, v in vars(args).items() if k != "out_dir" and v is not None}
+    if args.quant == "fp8" and args.intermediate is None:
+        fields["intermediate"] = FP8_INTERMEDIATE
     start_s = time.perf_counter()
     try:
         spec = spec_for(**fields)

@@ -1,9 +1,10 @@
 """Writing one tiny checkpoint: the families there are, then tokenizer, config, weights and manifest.
 
 A family is listed in FAMILIES, which the CLI's --arch offers. Writing is the same for every family:
-train the tokenizer (the model's vocab is its actual size), save the family's transformers config, draw
-every tensor the family names, save them as one safetensors file, and write the manifest last, so an
-interrupted run is redone and a finished one is reused untouched.
+train the tokenizer (the model's vocab is its actual size), build the family's transformers config, draw
+every tensor the family names, save tokenizer, config and tensors (one safetensors file), and write the
+manifest last, so an interrupted run is redone and a finished one is reused untouched. With
+`quant="fp8"` the drawn tensors are quantised (fp8.py) and their exact bf16 source is saved in `bf16/`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vamp_sglang.tiny_moe import fp8
 from vamp_sglang.tiny_moe.common import TinyMoeSpec
 from vamp_sglang.tiny_moe.deepseek import DeepseekV2Spec, DeepseekV3Spec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
@@ -46,8 +48,6 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
     Reuses out_dir untouched when its manifest records the same spec and every file has the
     recorded size. The manifest is written last, so an interrupted run is redone.
     """
-    from safetensors.torch import save_file
-
     spec.validate()
     out = Path(out_dir)
     if _manifest_matches(out, spec):
@@ -56,13 +56,17 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
     (out / MANIFEST).unlink(missing_ok=True)
 
     tokenizer = train_tokenizer(spec.vocab)
-    tokenizer.save_pretrained(out)
     vocab_size = len(tokenizer)
-    spec.model_config(vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id).save_pretrained(out)
+    config = spec.model_config(vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
     tensors = {name: spec.draw(name, shape) for name, shape in spec.tensor_shapes(vocab_size).items()}
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    if spec.quant == "fp8":  # the bf16 source first, then the FP8 checkpoint with its quantization_config
+        tensors, source = fp8.checkpoint_tensors(tensors)
+        _save(out / fp8.SOURCE_DIR, tokenizer, config, source)
+        config.quantization_config = fp8.QUANTIZATION_CONFIG
+    _save(out, tokenizer, config, tensors)
 
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
     manifest = {
         "format": FORMAT_VERSION,
         "spec": spec.as_manifest(),
@@ -74,6 +78,15 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
     } | spec.manifest_extras()
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return out
+
+
+def _save(out: Path, tokenizer, config, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    config.save_pretrained(out)
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
 
 
 def _manifest_matches(out_dir: Path, spec: TinyMoeSpec) -> bool:

@@ -21,6 +21,9 @@ from typing import ClassVar
 
 import torch
 
+from vamp_sglang.tiny_moe import fp8
+
+QUANTS = ("none", "fp8")
 LOGIT_STD = 4.0  # spread of the random logits: peaked enough that greedy decoding is not flat
 FLOAT32_BYTES = 4
 
@@ -51,6 +54,7 @@ class TinyMoeSpec:
     head_dim: int = 64
     vocab: int = 2048  # BPE target; the model's vocab is the tokenizer's actual size
     max_positions: int = 16384
+    quant: str = "none"  # "fp8": block-quantised W8A8 linear weights in the layout of real FP8 checkpoints (fp8.py)
 
     def checks(self) -> list[tuple[bool, str]]:
         """(holds, message) per constraint, in the order `validate` reports them; families append theirs."""
@@ -68,6 +72,8 @@ class TinyMoeSpec:
             (s.head_dim >= 2 and s.head_dim % 2 == 0, f"head_dim={s.head_dim} must be even and >= 2"),
             (s.vocab >= 512, f"vocab={s.vocab} must be >= 512"),
             (s.max_positions >= 128, f"max_positions={s.max_positions} must be >= 128"),
+            (s.quant in QUANTS, f"quant={s.quant!r} must be one of {', '.join(QUANTS)}"),
+            *fp8.block_checks(s),
         ]
 
     def validate(self) -> TinyMoeSpec:
@@ -83,14 +89,21 @@ class TinyMoeSpec:
         return tuple(range(self.layers))
 
     @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of activations and KV: float32, or bfloat16 for FP8 (SGLang's Fp8Config
+        takes bf16/fp16 activations only, quantization/fp8.py:326)."""
+        return fp8.ACTIVATION_BYTES if self.quant == "fp8" else FLOAT32_BYTES
+
+    @property
     def expert_bytes_per_layer(self) -> int:
-        """gate, up and down projections of every expert in one layer, float32."""
-        return self.experts * 3 * self.hidden * self.intermediate * FLOAT32_BYTES
+        """gate, up and down projections of every expert in one layer: float32, or FP8 plus block scales."""
+        weights = self.experts * 3 * self.hidden * self.intermediate
+        return fp8.stored_bytes(weights) if self.quant == "fp8" else weights * FLOAT32_BYTES
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every attention layer for one token, float32 (what one KV pool slot costs)."""
-        return len(self.attention_layers) * 2 * self.kv_heads * self.head_dim * FLOAT32_BYTES
+        """K and V of every attention layer for one token (what one KV pool slot costs)."""
+        return len(self.attention_layers) * 2 * self.kv_heads * self.head_dim * self.activation_bytes
 
     def tensor_shapes(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
         """Every tensor of the checkpoint in hub layout, name -> shape."""
@@ -161,7 +174,7 @@ class TinyMoeSpec:
             "bos_token_id": None,
             "eos_token_id": eos_id,
             "pad_token_id": pad_id,
-            "dtype": "float32",
+            "dtype": "bfloat16" if self.quant == "fp8" else "float32",
         }
 
     def model_config(self, vocab_size: int, eos_id: int, pad_id: int):
