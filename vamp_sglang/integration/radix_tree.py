@@ -125,15 +125,21 @@ class VampTreeCore(UnifiedTreeCore):
         return node.component_data[_MAMBA].value is not None
 
     def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
+        """(dead first, the request priority SGLang keeps on the node, then p_eff's order).
+
+        `node.priority` is SGLang's own (the highest `InsertParams.priority` written through the
+        node, as its `priority` policy orders by): a lower one goes first, so priorities set by
+        users hold under VAMP too; with none set (all 0) the order is p_eff's alone."""
         if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
-            return (DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
+            return (0, node.priority, DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
         key = (self.now_steps(), self.vamp_ledger.hit_rate)
         if key != self.vamp_priority_key:
             self.vamp_priorities.clear()
             self.vamp_priority_key = key
         priority = self.vamp_priorities.get(node.id)
         if priority is None:
-            priority = self.vamp_priorities[node.id] = self.vamp_order.priority(node.vamp_stats, *key)
+            priority = self.vamp_priorities[node.id] = (1, node.priority,
+                                                        *self.vamp_order.priority(node.vamp_stats, *key))
         return priority
 
     def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
