@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vamp_sglang.integration import kv_pool as pools
 from vamp_sglang.integration import radix_tree
 
 
@@ -47,8 +48,9 @@ def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
 
 def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int) -> int:
     """Move every unlocked tree node's row above `keep_tokens` to a free row at or below it, in
-    `kv_pool`, the MHATokenToKVPool whose buffers VAMP grows (on a hybrid model the allocator serves
-    its HybridLinearKVPool wrapper; the rows are the full-attention pool's). All or nothing: returns the
+    `kv_pool`, the MHATokenToKVPool (K and V rows) or MLATokenToKVPool (latent rows) whose buffers VAMP grows
+    (on a hybrid model the allocator serves its HybridLinearKVPool wrapper; the rows are the full-attention
+    pool's). All or nothing: returns the
     rows moved, or 0 (nothing changed) when there are not enough free low rows."""
     if allocator.page_size != 1:
         return 0
@@ -61,7 +63,7 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     if low.numel() < src.numel():
         return 0
     dst = low[: src.numel()].to(src.dtype)
-    for buffer in (*kv_pool.k_buffer, *kv_pool.v_buffer):  # [rows, heads, head_dim] per layer (NHD)
+    for buffer in pools.sglang_buffers(kv_pool):  # [rows, heads, head_dim] per layer (NHD; MLA: heads 1)
         buffer[dst] = buffer[src]
     offset = 0
     for value, mask in held:

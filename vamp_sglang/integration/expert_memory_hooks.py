@@ -2,8 +2,8 @@
 
 1. after `ModelRunner.initialize` (model loaded, before KV sizing and graph capture): the experts are
    rebuilt over paged memory (`moe_staging.convert_experts`);
-2. when SGLang creates the KV buffers (and a hybrid model's state pool): they are laid over growable
-   reservations (`kv_pool`, `state_pool`);
+2. when SGLang creates the KV buffers (MHA's K/V or MLA's latent buffers, and a hybrid model's state
+   pool): they are laid over growable reservations (`kv_pool`, `state_pool`);
 3. `setup_scheduler`, once the scheduler exists: the `ExpertMemory` joins the VampRuntime (its
    `stats()` feed `/vamp/stats`); once the decision layer holds the TP ranks' agreement rounds it
    applies `--vamp-initial-offload-ratio` through `offload_at_start`, agreed like every remap.
@@ -70,6 +70,8 @@ def _after_model_runner_initialize(result: Any, runner: Any, *args: Any, **kwarg
 
 
 def _around_create_buffers_normal(original: Callable, pool: Any, *args: Any, **kwargs: Any) -> Any:
+    """MHA's `_create_buffers_normal` or MLA's `_create_buffers`; an MLA subclass VAMP cannot grow (DSA,
+    FP4) reaching the latter is refused here, by `check_pool`, naming its class."""
     if _process is None or _process.pool is not None:
         return original(pool, *args, **kwargs)
     _process.pool = kv_pool.lay_pool_over_growable(pool, _process.backend, _process.experts.layout)
@@ -107,8 +109,11 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     if _process is None:
         return
     if _process.pool is None:
-        raise kv_pool.UnsupportedPoolError("vamp: the experts are paged but SGLang built its KV pool "
-                                           "without MHATokenToKVPool._create_buffers_normal")
+        built = type(scheduler.token_to_kv_pool_allocator.get_kvcache()).__name__
+        raise kv_pool.UnsupportedPoolError(f"vamp: the experts are paged but SGLang built its KV pool ({built}) "
+                                           "without MHATokenToKVPool._create_buffers_normal or "
+                                           "MLATokenToKVPool._create_buffers: VAMP cannot grow it; run with "
+                                           "--vamp-max-offload-ratio 0")
     device = _process.backend.device
     states = _process.states
     if states is not None and scheduler.req_to_token_pool.mamba_pool is not states.mamba_pool:
@@ -150,6 +155,8 @@ HOOKS = [
          "page the experts once the model is loaded, before KV sizing and graph capture"),
     Hook("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
          _around_create_buffers_normal, "lay the KV buffers over reservations that grow in place"),
+    Hook("sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers", "around", _around_create_buffers_normal,
+         "MLA models: lay the per-layer latent buffers over reservations that grow in place"),
     Hook("sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool", "after", _after_init_mamba_pool,
          "hybrid models: lay the linear-attention state tensors over reservations whose every layer grows in place"),
     Hook(f"{_MR}._forward_raw", "before", _before_forward_raw,

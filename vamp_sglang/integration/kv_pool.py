@@ -4,8 +4,10 @@ Paper IV-C / V-A: the KV pool must grow in place when expert pages join it. SGLa
 `MHATokenToKVPool` whose per-layer K and V tensors are fixed-size allocations, an allocator whose free
 list holds ids `1..size`, and a dozen by-value copies of the size taken at start-up. This module
 
-- lays each layer's K and V tensor over the memory layer's `GrowableKVBuffers` (a reservation sized
-  for the largest pool the offload bound allows), so growth maps pages at the tail at fixed addresses;
+- lays each layer's K and V tensor (an MLA pool's one latent tensor, `MLATokenToKVPool.kv_buffer[l]`,
+  `[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`, mem_cache/memory_pool.py:4856) over the memory
+  layer's `GrowableKVBuffers` (a reservation sized for the largest pool the offload bound allows), so
+  growth maps pages at the tail at fixed addresses (the MLA pool's `data_ptrs` table stays valid);
 - grows or shrinks the allocator's id space (shrinking only over free tail ids);
 - republishes the size everywhere SGLang copied it (`publish_pool_size`, listed in `SIZE_COPIES`).
 
@@ -46,24 +48,47 @@ class UnsupportedPoolError(RuntimeError):
     """SGLang built a KV pool or allocator VAMP cannot grow; the message says which and why."""
 
 
+def is_mla(pool: Any) -> bool:
+    """Whether `pool` is SGLang's plain MLA latent pool (one buffer per layer)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return type(pool) is MLATokenToKVPool
+
+
 def check_pool(pool: Any) -> None:
-    """Only the plain token-major MHA pool is laid over growable buffers."""
+    """Only the plain token-major MHA pool and the plain MLA latent pool are laid over growable buffers.
+    MLA subclasses are refused by name: DSA's indexer cache (DSATokenToKVPool), FP4's scale buffers
+    (MLATokenToKVPoolFP4), the unified and page-interleaved layouts."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    problems = [
-        (type(pool) is not MHATokenToKVPool, f"pool class {type(pool).__name__} (needs MHATokenToKVPool)"),
-        (pool.kv_cache_layout != "nhd", f"kv_cache_layout {pool.kv_cache_layout!r} (needs 'nhd')"),
-        (pool.head_dim != pool.v_head_dim, f"v_head_dim {pool.v_head_dim} != head_dim {pool.head_dim}"),
-        (pool.enable_custom_mem_pool, "a custom memory pool (PD disaggregation over NVLink)"),
-    ]
+    if is_mla(pool):
+        problems = [
+            (pool.use_dsa or pool.kv_scale_buffer is not None, "DSA indexer or KV scale buffers"),
+            (pool.custom_mem_pool is not None, "a custom memory pool (PD disaggregation over NVLink)"),
+            (pool.start_layer != 0, f"layers from {pool.start_layer} (pipeline parallelism)"),
+        ]
+    elif type(pool) is not MHATokenToKVPool:
+        problems = [(True, f"pool class {type(pool).__name__} (needs MHATokenToKVPool or MLATokenToKVPool)")]
+    else:
+        problems = [
+            (pool.kv_cache_layout != "nhd", f"kv_cache_layout {pool.kv_cache_layout!r} (needs 'nhd')"),
+            (pool.head_dim != pool.v_head_dim, f"v_head_dim {pool.v_head_dim} != head_dim {pool.head_dim}"),
+            (pool.enable_custom_mem_pool, "a custom memory pool (PD disaggregation over NVLink)"),
+        ]
     for bad, what in problems:
         if bad:
             raise UnsupportedPoolError(f"VAMP cannot grow this KV pool: {what}; run with "
                                        f"--vamp-max-offload-ratio 0")
 
 
+def sglang_buffers(pool: Any) -> list[torch.Tensor]:
+    """The pool's per-layer tensors as SGLang holds them: K then V (MHA), or the latent buffers (MLA)."""
+    return [*pool.kv_buffer] if is_mla(pool) else [*pool.k_buffer, *pool.v_buffer]
+
+
 class GrowablePool:
-    """An `MHATokenToKVPool` whose k_buffer[l] / v_buffer[l] are views of `GrowableKVBuffers` rows."""
+    """An `MHATokenToKVPool` whose k_buffer[l] / v_buffer[l] (an `MLATokenToKVPool` whose kv_buffer[l]) are
+    views of `GrowableKVBuffers` rows."""
 
     def __init__(self, pool: Any, kv: GrowableKVBuffers) -> None:
         self.pool = pool
@@ -72,8 +97,16 @@ class GrowablePool:
         self.baseline_tokens = int(pool.size)
         self.baseline_rows = kv.row_capacity  # rows mapped at start (>= baseline_tokens + page_size)
         self.size_mirrors: list[Any] = []  # wrappers keeping a copy of the size (HybridLinearKVPool)
-        pool.k_buffer = [self._alias(t) for t in kv.k_buffers]
-        pool.v_buffer = [self._alias(t) for t in kv.v_buffers]
+        if is_mla(pool):
+            pool.kv_buffer = [self._alias(t) for t in kv.buffers]
+        else:
+            pool.k_buffer = [self._alias(t) for t in kv.k_buffers]
+            pool.v_buffer = [self._alias(t) for t in kv.v_buffers]
+
+    def _growable(self) -> list[torch.Tensor]:
+        """Our buffers in the order of `sglang_buffers(self.pool)`."""
+        kv = self.kv
+        return kv.buffers if kv.buffers_per_layer == 1 else [*kv.k_buffers, *kv.v_buffers]
 
     def size_for_rows(self, rows: int) -> int:
         """The largest SGLang pool size `rows` mapped buffer rows can serve."""
@@ -87,8 +120,7 @@ class GrowablePool:
         if new_rows > self.kv.max_row_capacity:
             raise KVShrinkError(f"pool size {new_tokens} needs {new_rows} rows, the buffers reserve "
                                 f"{self.kv.max_row_capacity}")
-        for sglang_view, buffer in zip([*self.pool.k_buffer, *self.pool.v_buffer],
-                                       [*self.kv.k_buffers, *self.kv.v_buffers]):
+        for sglang_view, buffer in zip(sglang_buffers(self.pool), self._growable(), strict=True):
             sglang_view.set_(buffer.untyped_storage(), 0, (new_rows, *buffer.shape[1:]))
             if zero_new_rows and new_rows > old_rows:
                 sglang_view[old_rows:new_rows].zero_()
@@ -105,12 +137,14 @@ class GrowablePool:
 
 def lay_pool_over_growable(pool: Any, backend: PageBackend, layout: ExpertLayout) -> GrowablePool:
     """Build the pool's buffers over reservations large enough for the offload bound (replaces
-    `MHATokenToKVPool._create_buffers_normal`); the backend is the one the expert pages live in."""
+    `MHATokenToKVPool._create_buffers_normal` or `MLATokenToKVPool._create_buffers`); the backend is the one
+    the expert pages live in."""
     check_pool(pool)
-    kv = GrowableKVBuffers.for_layout(backend, layout, int(pool.layer_num), pool.head_num, pool.head_dim,
-                                      pool.store_dtype, initial_rows=pool.size + pool.page_size,
-                                      row_multiple=pool.page_size)
-    for buffer in [*kv.k_buffers, *kv.v_buffers]:
+    heads, row, per_layer = (1, pool.kv_cache_dim, 1) if is_mla(pool) else (pool.head_num, pool.head_dim, 2)
+    kv = GrowableKVBuffers.for_layout(backend, layout, int(pool.layer_num), heads, row, pool.store_dtype,
+                                      initial_rows=pool.size + pool.page_size, row_multiple=pool.page_size,
+                                      buffers_per_layer=per_layer)
+    for buffer in kv.buffers:
         buffer.zero_()
     return GrowablePool(pool, kv)
 

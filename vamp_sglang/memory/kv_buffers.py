@@ -1,10 +1,13 @@
-"""Per-layer K and V buffers over reserved ranges that grow and shrink in place at their tail.
+"""Per-layer K and V buffers (or MLA's one latent buffer) over reserved ranges that grow and shrink in place
+at their tail.
 
 Paper IV-C / V-A: reclaimed expert pages join the KV pool. Each buffer is a PagedRegion reserved for the
 largest pool the offload bound allows; growing maps pages at its tail and re-points the SAME tensor
 objects at the longer storage (`Tensor.set_`), so every holder (SGLang's `k_buffer[l]` lists, pointer
 tables built from `data_ptr`) sees the new rows at unchanged addresses.
 
+An MHA pool has two buffers per layer (K, V); an MLA pool (SGLang's `MLATokenToKVPool`) one, whose row is
+`kv_lora_rank + qk_rope_head_dim` values of one head (`buffers_per_layer=1`, heads 1).
 Every buffer holds the same number of pages, so every layer has one token capacity. A page need not
 hold a whole number of rows (a row is heads * head_dim * itemsize bytes of one token in one layer), so
 capacity is `floor(mapped_bytes / row_bytes)`, rounded down to `row_multiple` (the allocator's page size
@@ -29,16 +32,20 @@ class KVShrinkError(RuntimeError):
 
 
 class GrowableKVBuffers:
-    """`k_buffers[l]` and `v_buffers[l]`, each `[rows, heads, head_dim]`, growable in place."""
+    """`k_buffers[l]` and `v_buffers[l]` (or, with one buffer per layer, `buffers[l]`), each
+    `[rows, heads, head_dim]`, growable in place."""
 
     def __init__(self, backend: PageBackend, layers: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 initial_rows: int, max_rows: int, row_multiple: int = 1) -> None:
+                 initial_rows: int, max_rows: int, row_multiple: int = 1, buffers_per_layer: int = 2) -> None:
         for name, value in (("layers", layers), ("heads", heads), ("head_dim", head_dim),
                             ("initial_rows", initial_rows), ("row_multiple", row_multiple)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive (got {value})")
         if max_rows < initial_rows:
             raise ValueError(f"max_rows {max_rows} must be >= initial_rows {initial_rows}")
+        if buffers_per_layer not in (1, 2):
+            raise ValueError(f"buffers_per_layer must be 1 (MLA) or 2 (K and V), got {buffers_per_layer}")
+        self.buffers_per_layer = buffers_per_layer
         self.backend = backend
         self.heads, self.head_dim, self.dtype = heads, head_dim, dtype
         self.row_bytes = heads * head_dim * dtype.itemsize
@@ -48,7 +55,7 @@ class GrowableKVBuffers:
         initial_pages = pages_for_rows(initial_rows, self.row_bytes, gran, row_multiple)
         self._regions: list[PagedRegion] = []
         try:
-            for _ in range(2 * layers):
+            for _ in range(buffers_per_layer * layers):
                 region = PagedRegion(backend, self.max_pages_per_buffer * gran)
                 self._regions.append(region)
                 region.append_new_pages(initial_pages)
@@ -60,22 +67,36 @@ class GrowableKVBuffers:
 
     @classmethod
     def for_layout(cls, backend: PageBackend, layout: ExpertLayout, layers: int, heads: int, head_dim: int,
-                   dtype: torch.dtype, initial_rows: int, row_multiple: int = 1) -> GrowableKVBuffers:
-        """Buffers whose reservation holds the pool at the layout's offload bound (paper IV-C)."""
+                   dtype: torch.dtype, initial_rows: int, row_multiple: int = 1,
+                   buffers_per_layer: int = 2) -> GrowableKVBuffers:
+        """Buffers whose reservation holds the pool at the layout's offload bound (paper IV-C): the freed
+        pages split over buffers_per_layer * layers buffers, so MLA's one buffer per layer gets twice the pages
+        an MHA buffer would."""
         gran = backend.granularity_bytes
         row_bytes = heads * head_dim * dtype.itemsize
         pages = pages_for_rows(initial_rows, row_bytes, gran, row_multiple) + kv_pages_per_buffer(
-            layout.bound_groups, layout.pages_freed_per_group, 2 * layers)
+            layout.bound_groups, layout.pages_freed_per_group, buffers_per_layer * layers)
         max_rows = kv_rows_for_bytes(pages * gran, row_bytes, row_multiple)
-        return cls(backend, layers, heads, head_dim, dtype, initial_rows, max_rows, row_multiple)
+        return cls(backend, layers, heads, head_dim, dtype, initial_rows, max_rows, row_multiple, buffers_per_layer)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer, layer-major (K, V of layer 0, then layer 1, ...; or one latent buffer per layer)."""
+        return list(self._buffers)
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
+        self._need_k_and_v()
         return self._buffers[0::2]
 
     @property
     def v_buffers(self) -> list[torch.Tensor]:
+        self._need_k_and_v()
         return self._buffers[1::2]
+
+    def _need_k_and_v(self) -> None:
+        if self.buffers_per_layer != 2:
+            raise AttributeError("these buffers hold one latent per layer (MLA): use .buffers")
 
     @property
     def n_buffers(self) -> int:
