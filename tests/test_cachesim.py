@@ -2,6 +2,7 @@
 
 import json
 import random
+from itertools import pairwise
 
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -162,13 +163,17 @@ def test_in_flight_requests_are_not_in_the_tree_yet():
     """Two sessions behind one system prompt: with both in flight the second cannot reuse the first's KV."""
     trace = [turn("a", 0, [1, 2]), turn("b", 0, [1, 3]), turn("a", 1, [1, 2, 4]), turn("b", 1, [1, 3, 5])]
     requests = build_requests(trace, None)
-    trie = FutureTrie(requests)
-    one = simulate(requests, trie, "lru", 1000, concurrency=1)["reprefill_tokens"]
-    two = simulate(requests, trie, "lru", 1000, concurrency=2)["reprefill_tokens"]
+    one = simulate(requests, FutureTrie(requests), "lru", 1000, concurrency=1)["reprefill_tokens"]
+    both = build_requests(trace, None, 2, 1000)
+    assert [(r.session, r.turn, r.admit_tick) for r in both][:2] == [("a", 0, 0), ("b", 0, 0)]
+    two = simulate(both, FutureTrie(both), "lru", 1000, concurrency=2)["reprefill_tokens"]
     assert one == 0 and two == 2  # b's turn 0 missed the 2 system-prompt tokens a was still holding
-    # a pool that fits one request at a time still runs them all (the second waits for the first)
+    # a pool that fits one request at a time runs them one by one: the closed loop waits for room
     tight = max(len(r.tokens) for r in requests)
-    assert simulate(requests, trie, "lru", tight, concurrency=2)["hit_rate"] > 0
+    serial = build_requests(trace, None, 2, tight)
+    assert all(r.admit_tick >= p.finish_tick for p, r in pairwise(serial))
+    trie = FutureTrie(serial)
+    assert simulate(serial, trie, "lru", tight, concurrency=2) == simulate(serial, trie, "lru", tight)
 
 
 def test_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
@@ -183,4 +188,5 @@ def test_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
         assert all(set(r) == {"hit_rate", "reprefill_tokens", "evictions", "vs_opt"} for r in row.values())
         assert row["opt"]["vs_opt"] == 1.0
     assert (tmp_path / "out.png").stat().st_size > 0
-    assert sweep(build_requests(trace, None), [50], ["lru"])["pools"]["50"]["lru"]["vs_opt"] is None
+    requests = build_requests(trace, None)
+    assert sweep(lambda pool: requests, [50], ["lru"])["pools"]["50"]["lru"]["vs_opt"] is None

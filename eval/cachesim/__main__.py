@@ -84,9 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         trace = load_trace(args.trace)[: args.max_requests]
         if args.scale != 1.0:
             trace = [scale_request(r, args.scale) for r in trace]
-        requests = build_requests(trace, args.sessions or None)
+        sessions = args.sessions or None
+        requests = build_requests(trace, sessions)  # one at a time: the footprint's order
         trie = FutureTrie(requests)
         pools = parse_pools(args.pool_tokens, trie.reusable_tokens)
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1 (got {args.concurrency})")
     except (ValueError, OSError, TraceFormatError) as exc:
         parser.exit(2, f"error: {exc}\n")
     total = sum(len(r.prompt) for r in requests)
@@ -94,8 +97,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{trie.reusable_tokens} tokens, unbounded-cache hit rate "
           f"{sum(trie.unbounded_hits) / total:.3f} (all turns)", file=sys.stderr)
     prepare()
-    result = sweep(requests, pools, [p.strip() for p in args.policies.split(",") if p.strip()],
-                   args.concurrency, trie)
+    orders: dict[int, list] = {}
+
+    def requests_for(pool: int) -> list:
+        if args.concurrency == 1:
+            return requests
+        return orders.setdefault(pool, build_requests(trace, sessions, args.concurrency, pool))
+
+    result = sweep(requests_for, pools, [p.strip() for p in args.policies.split(",") if p.strip()],
+                   args.concurrency)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))

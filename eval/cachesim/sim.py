@@ -1,17 +1,17 @@
 """One replay of the requests through one policy's tree at one pool size, and the sweep over both.
 
 One request at a time by default: admit, then finish, so the tree holds only finished requests'
-KV and the miss-ratio curve and the optimum are well defined. `concurrency` C > 1 keeps up to C
-requests in flight, their prefixes locked and their new KV allocated outside the tree (so neither
-can be evicted); the next request is admitted only when it fits, finishing the oldest in flight
-until it does (a session's previous turn always finishes before its next one is admitted: closed
-loop). A request larger than the whole pool runs uncached (all of it missed, nothing inserted).
+KV and the miss-ratio curve and the optimum are well defined. `concurrency` C > 1 replays the
+closed-loop schedule (workload.closed_loop) with up to C requests in flight, their prefixes locked
+and their new KV allocated outside the tree (so neither can be evicted); requests finish at their
+scheduled tick, and one that does not fit waits for the next finish (a session's previous turn
+always finishes before its next one is admitted). A request larger than the whole pool runs uncached (all of it missed, nothing inserted).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tqdm import tqdm
 
@@ -43,13 +43,17 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
     running: set[str] = set()
     hits = [0] * len(requests)
 
-    def finish_oldest() -> None:
-        request, admission = inflight.popleft()
+    def finish_oldest() -> None:  # the in-flight request the schedule finishes first
+        first = min(range(len(inflight)), key=lambda k: inflight[k][0].finish_tick)
+        request, admission = inflight[first]
+        del inflight[first]
         replay.finish(admission, request.tokens)
         running.discard(request.session)
 
     for request in tqdm(requests, desc=f"{policy} @ {pool_tokens}", unit="req", leave=False, disable=not progress):
         now[0] = request.index
+        while inflight and min(r.finish_tick for r, _ in inflight) <= request.admit_tick:
+            finish_oldest()
         while request.session in running or len(inflight) >= concurrency:
             finish_oldest()
         total = len(request.prompt) + len(request.answer)
@@ -70,16 +74,19 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
             "evictions": replay.evicted_tokens}
 
 
-def sweep(requests: list[SimRequest], pools: Iterable[int], policies: Iterable[str], concurrency: int = 1,
-          trie: FutureTrie | None = None) -> dict[str, dict[str, dict[str, dict]]]:
+def sweep(requests_for: Callable[[int], list[SimRequest]], pools: Iterable[int], policies: Iterable[str],
+          concurrency: int = 1) -> dict[str, dict[str, dict[str, dict]]]:
     """`{"pools": {"<pool tokens>": {"<policy>": {hit_rate, reprefill_tokens, evictions, vs_opt}}}}`;
-    vs_opt is the hit rate over opt's (None when opt is not among the policies)."""
-    trie = trie or FutureTrie(requests)
+    vs_opt is the hit rate over opt's (None when opt is not among the policies). `requests_for(pool)`
+    gives the replay order at that pool size (one order for all at concurrency 1)."""
     pools, policies = list(pools), list(policies)
-    runs = [(pool, policy) for pool in pools for policy in policies]
+    tries: dict[int, FutureTrie] = {}
     out: dict[str, dict[str, dict]] = {}
-    for pool, policy in tqdm(runs, desc="cachesim", unit="run"):
-        out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True)
+    for pool in tqdm(pools, desc="cachesim pools", unit="pool"):
+        requests = requests_for(pool)
+        trie = tries.get(id(requests)) or tries.setdefault(id(requests), FutureTrie(requests))
+        for policy in policies:
+            out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True)
     for row in out.values():
         opt = row.get("opt", {}).get("hit_rate")
         for result in row.values():

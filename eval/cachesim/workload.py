@@ -36,6 +36,8 @@ class SimRequest:
     turn: int
     prompt: list[int]
     answer: list[int]
+    admit_tick: int = 0  # the closed-loop schedule (`closed_loop`); 0 one request at a time
+    finish_tick: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -61,16 +63,70 @@ def interleave(trace: list[TraceRequest], sessions: int | None) -> list[TraceReq
     return order
 
 
-def build_requests(trace: list[TraceRequest], sessions: int | None) -> list[SimRequest]:
-    """Token ids of every request, in replay order."""
+def closed_loop(trace: list[TraceRequest], sessions: int | None, concurrency: int,
+                pool_tokens: int) -> list[tuple[TraceRequest, int, int]]:
+    """(request, admission tick, finish tick) in admission order, for `concurrency` C > 1.
+
+    The scheduler as a clock of steps: a FIFO waiting queue; the head is admitted while fewer than
+    C run and the running requests' KV (prompt and answer each, shared prefixes counted apart) fits
+    the pool; a request runs 1 + output_tokens steps (prefill, then one token a step); when it
+    finishes, its session's next turn joins the back of the queue (no think time), or, if that was
+    the session's last, the next waiting session's first turn. This order does not depend on the
+    eviction policy (a running request needs its whole KV whatever the tree holds), so every policy
+    and the oracle replay the same one; it does depend on the pool size."""
+    waiting_sessions = deque(deque(turns) for turns in group_sessions(trace))
+    slots = len(waiting_sessions) if sessions is None else sessions
+    queue: deque[tuple[TraceRequest, deque]] = deque()
+    for _ in range(min(slots, len(waiting_sessions))):
+        turns = waiting_sessions.popleft()
+        queue.append((turns.popleft(), turns))
+    running: list[tuple[int, TraceRequest, deque, int]] = []  # (finish tick, request, rest, tokens)
+    used, tick, order = 0, 0, []
+    while queue or running:
+        while queue and len(running) < concurrency:
+            request, rest = queue[0]
+            size = _size(request)
+            if running and used + size > pool_tokens:
+                break
+            queue.popleft()
+            used += size
+            finish = tick + 1 + request.output_tokens
+            running.append((finish, request, rest, size))
+            order.append((request, tick, finish))
+        tick = min(f for f, *_ in running)
+        for entry in [e for e in running if e[0] == tick]:
+            running.remove(entry)
+            _, request, rest, size = entry
+            used -= size
+            if not rest and waiting_sessions:
+                rest = waiting_sessions.popleft()
+            if rest:
+                queue.append((rest.popleft(), rest))
+    return order
+
+
+def _size(request: TraceRequest) -> int:
+    return request.input_tokens + request.output_tokens
+
+
+def build_requests(trace: list[TraceRequest], sessions: int | None, concurrency: int = 1,
+                   pool_tokens: int | None = None) -> list[SimRequest]:
+    """Token ids of every request, in replay order: `interleave` one request at a time, else
+    `closed_loop` at `concurrency` over a pool of `pool_tokens`."""
+    if concurrency > 1:
+        if pool_tokens is None:
+            raise ValueError("a closed-loop order needs the pool size")
+        schedule = closed_loop(trace, sessions, concurrency, pool_tokens)
+    else:
+        schedule = [(r, 0, 0) for r in interleave(trace, sessions)]
     context: dict[str, list[int]] = {}
     out = []
-    for index, request in enumerate(interleave(trace, sessions)):
+    for index, (request, admit_tick, finish_tick) in enumerate(schedule):
         history = context.get(request.session, [])
         prompt = history + new_turn_tokens(request, len(history), SPACE)
         answer_id = _ANSWER_IDS + index
         answer = [block_token(answer_id, k, SPACE) for k in range(request.output_tokens)]
-        out.append(SimRequest(index, request.session, request.turn, prompt, answer))
+        out.append(SimRequest(index, request.session, request.turn, prompt, answer, admit_tick, finish_tick))
         context[request.session] = prompt + answer
     return out
 
