@@ -11,7 +11,7 @@ EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
 .PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision \
-	bench-staging bench-staging-server
+	bench-staging bench-staging-server cachesim
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -48,3 +48,11 @@ bench-staging: install
 
 bench-staging-server: model
 	OMP_NUM_THREADS=1 $(PY) -m eval.bench_staging_server --model $(MODEL) --json $(RESULTS)/bench_staging_server.json
+
+# Prefix-cache simulator (issue 23): the multi-turn workload through SGLang's real tree per policy and the
+# offline optimum, pool sizes 25-100% of the reusable footprint; JSON and plot (docs: eval/cachesim/).
+cachesim: install
+	$(PY) -m eval.make_trace multiturn --sessions 12 --out $(RESULTS)/cachesim/multiturn.jsonl
+	OMP_NUM_THREADS=1 $(PY) -m eval.cachesim --trace $(RESULTS)/cachesim/multiturn.jsonl \
+		--pool-tokens 0.25x,0.5x,0.75x,1x --policies lru,lfu,slru,vamp,opt,bound \
+		--json $(RESULTS)/cachesim/multiturn.json --plot $(RESULTS)/cachesim/multiturn.png
