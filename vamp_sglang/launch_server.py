@@ -16,7 +16,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from vamp_sglang import config, hybrid_refusals
+from vamp_sglang import config, hybrid_refusals, mla_refusals
 from vamp_sglang.config import ConfigError, VampConfig
 from vamp_sglang.cpu import hybrid_model
 from vamp_sglang.faults import Faults, FaultSpecError
@@ -94,6 +94,7 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     for flag in [flag for flag in _UNSUPPORTED_WITH_VAMP if flag != _SPECULATIVE]:
         p.add_argument(flag, action="store_true")
     hybrid_refusals.add_flags(p)  # with _SPECULATIVE
+    mla_refusals.add_flags(p)
     return p.parse_known_args(_config_file_flags(argv) + argv)[0]
 
 
@@ -136,6 +137,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
         if _turns_on(sg, flag):
             raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0" + (f" ({why})" if why else ""))
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
+        raise ConfigError(refusal)
+    if refusal := mla_refusals.refused(sg):
         raise ConfigError(refusal)
 
 
