@@ -13,7 +13,10 @@ that differs from eager mode cannot fail it falsely (issue 19):
 - graph against eager only within a bf16 tolerance (`replay_close_to_eager`, `replay_max_abs_diff`).
 
 Also one staging page read through every address it is mapped at, restore(n) with checksums equal, the
-Repartitioner's remap GiB/s, no page leaked. Host pages (no GPU) run the eager part in float32."""
+Repartitioner's remap GiB/s, no page leaked. Host pages (no GPU) run the eager part in float32.
+
+All of it runs twice: with bf16 experts, and with the same experts in block FP8 (issue 20, under "fp8"):
+the FP8 bytes are paged, offloaded and staged, the scales resident, dequantised inside the segments."""
 
 from __future__ import annotations
 
@@ -31,12 +34,20 @@ BF16_TOLERANCE = {"rtol": 1.6e-2, "atol": 1e-2}  # graph vs eager: other GEMM ke
 
 
 def check(backend: PageBackend, gpu: bool) -> dict:
-    """Paged layers under captured graph segments, offload and restore, bit for bit against the same kernels."""
+    """Paged layers under captured graph segments, offload and restore, bit for bit against the same
+    kernels; bf16 experts, then FP8 experts with block scales."""
+    result = _check(backend, gpu, fp8=False)
+    result["fp8"] = _check(backend, gpu, fp8=True)
+    result["ok"] = result["ok"] and result["fp8"]["ok"]
+    return result
+
+
+def _check(backend: PageBackend, gpu: bool, fp8: bool) -> dict:
     dev, dtype = backend.device, (torch.bfloat16 if gpu else torch.float32)
-    experts, hidden, inter, tokens, top_k = (64, 1024, 512, 8, 4) if gpu else (16, 128, 64, 8, 4)
+    experts, hidden, inter, tokens, top_k = (64, 1024, 512, 8, 4) if gpu else (16, 128, 128 if fp8 else 64, 8, 4)
     layer_ids = [0, 1, 2, 3]
     gen = torch.Generator(device=dev).manual_seed(1)
-    weights, layout = toy_layers(backend, layer_ids, experts, hidden, inter, dtype, gen)
+    weights, layout = toy_layers(backend, layer_ids, experts, hidden, inter, dtype, gen, fp8=fp8)
     before = backend.live_counts()
     staging, stores = build_expert_stores(backend, layout, {k: v[:2] for k, v in weights.items() if k})
     kv = GrowableKVBuffers.for_layout(backend, layout, 2, *KV_ROW_SHAPE, dtype, initial_rows=1024)
@@ -52,7 +63,7 @@ def check(backend: PageBackend, gpu: bool) -> dict:
     def layer_forward(lid: int, x: torch.Tensor, eng: StagingEngine | None = None) -> torch.Tensor:
         w13, w2 = paged.get(lid, weights[lid][:2])  # the first MoE layer stays on its own tensors
         between = (lambda: eng.before_down_proj(lid)) if eng is not None and eng.split_w2_wait else None
-        return x + routed_moe(x, weights[lid][2], w13, w2, top_k, between)
+        return x + routed_moe(x, weights[lid][2], w13, w2, top_k, between, scales=weights[lid][3:])
 
     def eager(eng: StagingEngine) -> torch.Tensor:
         x = x0.clone()
@@ -65,7 +76,7 @@ def check(backend: PageBackend, gpu: bool) -> dict:
 
     x = x0.clone()
     for lid in layer_ids:  # the unpaged eager reference
-        x = x + routed_moe(x, weights[lid][2], *weights[lid][:2], top_k)
+        x = x + routed_moe(x, weights[lid][2], *weights[lid][:2], top_k, scales=weights[lid][3:])
     reference = x
     kv_sums = kv.checksums(live_rows)
     expert_sums = [s.expert_checksums(0, experts) for s in stores]

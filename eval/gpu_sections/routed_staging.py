@@ -4,7 +4,8 @@ eager steps under --vamp-staging routed, whole and auto over stale (finite) slot
 steps alternating without after_moe (as under a graph replay), bit for bit against the unpaged forward
 (eager against eager: the same kernels), with a torch-only routed copier whose row count stays on the
 device (the host copy read through its mapped device pointer); the routed bytes read back from the device
-count, fewer bytes than whole, no page leaked. SGLang's gather kernel, which the server uses, is covered by
+count, fewer bytes than whole, no page leaked. All of it with bf16 experts, then (under "fp8", issue 20) with
+the same experts in block FP8: routed rows and bytes are FP8 rows, the scales stay resident. SGLang's gather kernel, which the server uses, is covered by
 tests/test_staging_routed_gpu.py (this script may not import SGLang)."""
 
 from __future__ import annotations
@@ -19,12 +20,20 @@ from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_s
 
 
 def check(backend: PageBackend, gpu: bool) -> dict:
-    """Routed-only staging: device copy list captured in a CUDA graph, then eager steps in every mode."""
+    """Routed-only staging: device copy list captured in a CUDA graph, then eager steps in every mode;
+    bf16 experts, then FP8 experts with block scales."""
+    result = _check(backend, gpu, fp8=False)
+    result["fp8"] = _check(backend, gpu, fp8=True)
+    result["ok"] = result["ok"] and result["fp8"]["ok"]
+    return result
+
+
+def _check(backend: PageBackend, gpu: bool, fp8: bool) -> dict:
     dev, dtype = backend.device, (torch.bfloat16 if gpu else torch.float32)
-    experts, hidden, inter, top_k = (64, 1024, 512, 4) if gpu else (16, 128, 64, 2)
+    experts, hidden, inter, top_k = (64, 1024, 512, 4) if gpu else (16, 128, 128 if fp8 else 64, 2)
     layer_ids = [0, 1, 2, 3]
     gen = torch.Generator(device=dev).manual_seed(3)
-    weights, layout = toy_layers(backend, layer_ids, experts, hidden, inter, dtype, gen)
+    weights, layout = toy_layers(backend, layer_ids, experts, hidden, inter, dtype, gen, fp8=fp8)
     before = backend.live_counts()
     staging, stores = build_expert_stores(backend, layout, {k: v[:2] for k, v in weights.items() if k})
     for store in stores:
@@ -45,7 +54,7 @@ def check(backend: PageBackend, gpu: bool) -> dict:
             ids = torch.topk(torch.softmax(x @ weights[lid][2].T, dim=-1), top_k)[1]
             if eng is not None:
                 eng.before_moe(lid, ids)
-            x = x + routed_moe(x, weights[lid][2], w13, w2, top_k)  # reads every row: stale ones weigh 0
+            x = x + routed_moe(x, weights[lid][2], w13, w2, top_k, scales=weights[lid][3:])  # every row read
             if eng is not None and not replayed:
                 eng.after_moe(lid)
         return x
@@ -155,7 +164,7 @@ def _routed_rows(x: torch.Tensor, weights: dict, layer_ids: list[int], top_k: in
         if lid in layer_ids:
             runs = routed_offloaded_runs(ids.cpu(), boundary, weights[lid][0].shape[0])
             rows += sum(end - first for first, end in runs)
-        x = x + routed_moe(x, weights[lid][2], *weights[lid][:2], top_k)
+        x = x + routed_moe(x, weights[lid][2], *weights[lid][:2], top_k, scales=weights[lid][3:])
     return rows
 
 
