@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # qwen3_moe, mixtral, qwen3_next (the paper's hybrid model), deepseek_v3 or deepseek_v2 (MLA): `make demo ARCH=qwen3_next`
 ARCH ?= qwen3_moe
-MODEL ?= models/tiny-$(subst _,-,$(ARCH))
+# fp8: the block-FP8 checkpoint of that arch (docs/fp8.md): `make demo QUANT=fp8`
+QUANT ?= none
+MODEL ?= models/tiny-$(subst _,-,$(ARCH))$(if $(filter fp8,$(QUANT)),-fp8)
 PORT ?= 30000
 MAX_TOTAL_TOKENS ?= 8192
 VAMP_FLAGS ?=
@@ -42,7 +44,7 @@ lint: install
 	$(VENV)/bin/ruff check vamp_sglang eval tests
 
 model: install
-	$(PY) -m vamp_sglang.tiny_moe $(MODEL) --arch $(ARCH)
+	$(PY) -m vamp_sglang.tiny_moe $(MODEL) --arch $(ARCH) --quant $(QUANT)
 
 serve-cpu: model
 	OMP_NUM_THREADS=1 $(PY) -m vamp_sglang.launch_server --model-path $(MODEL) --device cpu \

@@ -26,8 +26,10 @@ def checkpoint(tmp_path_factory):
 def test_projections_are_block_fp8_and_the_rest_bf16(checkpoint):
     tensors = load_file(str(checkpoint / "model.safetensors"))
     config = json.loads((checkpoint / "config.json").read_text())
-    assert config["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                             "quant_method": "fp8", "weight_block_size": [128, 128]}
+    quantization = config["quantization_config"]
+    assert quantization.pop("modules_to_not_convert") == [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert quantization == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]}
     assert config["dtype"] == "bfloat16"
     projections = [n for n in tensors if n.endswith("_proj.weight")]
     assert len(projections) == 2 * (4 + 4 * 3)  # q, k, v, o and 4 experts x gate, up, down per layer
@@ -57,6 +59,21 @@ def test_the_bf16_source_is_the_exact_dequantisation(checkpoint):
     assert manifest["spec"]["quant"] == "fp8" and "bf16/model.safetensors" in manifest["files"]
     assert manifest["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 2  # layers x K,V x kv_heads x head_dim x bf16
     assert manifest["expert_bytes_per_layer"] == 4 * 3 * 128 * 128 + 4 * 3 * 4  # FP8 + one scale per block
+
+
+def test_qwen3_next_keeps_its_odd_sized_and_gate_projections_in_bf16_and_lists_them(tmp_path):
+    """Qwen3-Next-80B-A3B-FP8's layout: in_proj_ba (2 x value heads rows) and the gates stay bf16."""
+    out = make_checkpoint(tmp_path / "next", arch="qwen3_next", quant="fp8", layers=4, experts=4, hidden=128,
+                          intermediate=128, shared_intermediate=128, heads=2, kv_heads=2, vocab=512)
+    tensors = load_file(str(out / "model.safetensors"))
+    skipped = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.linear_attn.in_proj_ba" in skipped and "model.layers.0.mlp.shared_expert_gate" in skipped
+    assert tensors["model.layers.0.linear_attn.in_proj_ba.weight"].dtype == torch.bfloat16
+    for name in ("linear_attn.in_proj_qkvz", "linear_attn.out_proj", "mlp.shared_expert.down_proj",
+                 "self_attn.q_proj"):
+        layer = 3 if name.startswith("self_attn") else 0
+        assert tensors[f"model.layers.{layer}.{name}.weight"].dtype == torch.float8_e4m3fn, name
+    assert not any(s.endswith("_proj") and "in_proj_ba" not in s for s in skipped)
 
 
 def test_dimensions_off_the_128_block_are_refused_before_anything_is_written(tmp_path):

@@ -60,9 +60,10 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
     config = spec.model_config(vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
     tensors = {name: spec.draw(name, shape) for name, shape in spec.tensor_shapes(vocab_size).items()}
     if spec.quant == "fp8":  # the bf16 source first, then the FP8 checkpoint with its quantization_config
+        quantization_config = fp8.quantization_config(tensors)
         tensors, source = fp8.checkpoint_tensors(tensors)
         _save(out / fp8.SOURCE_DIR, tokenizer, config, source)
-        config.quantization_config = fp8.QUANTIZATION_CONFIG
+        config.quantization_config = quantization_config
     _save(out, tokenizer, config, tensors)
 
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))

@@ -25,8 +25,14 @@ ACTIVATION_BYTES = 2  # bfloat16
 SCALE_BYTES = 4  # one float32 weight_scale_inv per block
 FP8_INTERMEDIATE = 1024  # the CLI's expert width with --quant fp8: 1 byte x 4 = float32's 4 bytes x 256
 SOURCE_DIR = "bf16"  # the bf16 checkpoint the FP8 one is quantised from, inside the FP8 checkpoint
-QUANTIZATION_CONFIG: dict[str, Any] = {  # Qwen3-30B-A3B-FP8's config.json
+QUANTIZATION_CONFIG: dict[str, Any] = {  # Qwen3-30B-A3B-FP8's config.json, less its modules_to_not_convert
     "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
+
+
+def quantization_config(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """QUANTIZATION_CONFIG with the bf16 linear modules of these (unquantised) tensors listed."""
+    skipped = not_converted(tensors)
+    return QUANTIZATION_CONFIG | ({"modules_to_not_convert": skipped} if skipped else {})
 
 
 def block_checks(spec: Any) -> list[tuple[bool, str]]:
@@ -45,9 +51,19 @@ def stored_bytes(weight_elements: int) -> int:
 
 
 def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
-    """Attention and expert projections are FP8; embeddings, lm_head, norms and router gates are not."""
-    projection = ".self_attn." in name or ".experts." in name
-    return projection and len(shape) == 2 and all(d % BLOCK == 0 for d in shape)
+    """A decoder layer's projections are FP8 when they are whole 128x128 blocks; routers, gates,
+    embeddings, lm_head, norms, convolutions and odd-sized projections (Qwen3-Next's in_proj_ba) are not."""
+    gate = name.endswith((".gate.weight", "shared_expert_gate.weight"))
+    return (name.startswith("model.layers.") and name.endswith(".weight") and not gate and len(shape) == 2
+            and all(d % BLOCK == 0 for d in shape))
+
+
+def not_converted(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The linear modules of the decoder layers left in bf16, as the real checkpoints list them in
+    `modules_to_not_convert`: SGLang gives FP8 to every linear layer not listed (fp8.py:396-407)."""
+    return sorted(name.removesuffix(".weight") for name, t in tensors.items()
+                  if name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
+                  and not is_quantised(name, tuple(t.shape)) and not name.endswith("norm.weight"))
 
 
 def quantise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
