@@ -22,6 +22,7 @@ those stay unused, and every row gained later is handed to SGLang one for one.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,10 +50,11 @@ class UnsupportedPoolError(RuntimeError):
 
 
 def is_mla(pool: Any) -> bool:
-    """Whether `pool` is SGLang's plain MLA latent pool (one buffer per layer)."""
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-    return type(pool) is MLATokenToKVPool
+    """Whether `pool` is SGLang's plain MLA latent pool (one buffer per layer). Imports nothing: no SGLang
+    pool exists before SGLang's memory_pool module is loaded, and eval/gpu_check.py, which builds pools
+    of its own, must run without SGLang."""
+    memory_pool = sys.modules.get("sglang.srt.mem_cache.memory_pool")
+    return memory_pool is not None and type(pool) is memory_pool.MLATokenToKVPool
 
 
 def check_pool(pool: Any) -> None:
