@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from vamp_sglang.tiny_moe.common import FLOAT32_BYTES, TinyMoeSpec
+from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 ROPE_THETA = 10000.0
 CORRECTION_BIAS_STD = 0.1  # small next to sigmoid scores in (0, 1): it tilts routing, it does not decide it
@@ -70,14 +70,9 @@ class DeepseekV3Spec(TinyMoeSpec):
         return tuple(range(self.dense_layers, self.layers))
 
     @property
-    def expert_bytes_per_layer(self) -> int:
-        """Routed experts of one MoE layer (the shared expert stays), float32."""
-        return super().expert_bytes_per_layer
-
-    @property
     def kv_bytes_per_token(self) -> int:
-        """One latent row per layer: kv_lora_rank + qk_rope_head_dim floats (no separate V)."""
-        return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * FLOAT32_BYTES
+        """One latent row per layer: kv_lora_rank + qk_rope_head_dim elements (no separate V)."""
+        return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * self.activation_bytes
 
     def tensor_shapes(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
         """The common layout, with the dense layers' experts replaced by one MLP."""
