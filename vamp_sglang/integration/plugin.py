@@ -38,11 +38,11 @@ def scheduler_setups() -> list[Callable[[Any, Any], None]]:
 
 
 def cpu_hooks() -> list[Hook]:
-    """Torch paths for GPU-only call sites (Qwen3-Next's Triton ops, FP8's AMX ops) and torch_native's MLA
-    dispatch (DeepSeek), placed only in CPU mode: GPUs keep their kernels."""
-    from vamp_sglang.cpu import fp8, in_cpu_mode, mla, triton_free
+    """Torch paths for GPU-only call sites (Qwen3-Next's Triton ops, FP8's AMX ops, HiCache's host pool and
+    direct transfers) and torch_native's MLA dispatch (DeepSeek), placed only in CPU mode: GPUs keep their kernels."""
+    from vamp_sglang.cpu import fp8, hicache, in_cpu_mode, mla, triton_free
 
-    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS] if in_cpu_mode() else []
+    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS, *hicache.HOOKS] if in_cpu_mode() else []
 
 
 def verify_hooks() -> None:
