@@ -16,7 +16,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from vamp_sglang import config, hybrid_refusals, mla_refusals
+from vamp_sglang import config, hicache_refusals, hybrid_refusals, mla_refusals
 from vamp_sglang.config import ConfigError, VampConfig
 from vamp_sglang.cpu import hybrid_model
 from vamp_sglang.faults import Faults, FaultSpecError
@@ -29,7 +29,6 @@ _SPECULATIVE = "--speculative-algorithm"
 _UNSUPPORTED_WITH_VAMP = {
     "--enable-dp-attention": "",
     "--enable-paged-experts": "",
-    "--enable-hierarchical-cache": "",
     "--enable-pdmux": "split prefill runs one forward per layer chunk, and each restarts expert staging "
                       "into a slot whose copy for a later layer is still pending: wrong expert weights",
     "--enable-nvidia-megakernel": "its kernels are built from the expert weights before VAMP pages them, "
@@ -95,6 +94,8 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
         p.add_argument(flag, action="store_true")
     hybrid_refusals.add_flags(p)  # with _SPECULATIVE
     mla_refusals.add_flags(p)
+    p.add_argument(hicache_refusals.HICACHE, action="store_true")
+    hicache_refusals.add_flags(p)
     return p.parse_known_args(_config_file_flags(argv) + argv)[0]
 
 
@@ -120,6 +121,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(vamp.decision_log))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
+    if refusal := hicache_refusals.refused(sg, vamp.enabled, hybrid_model.is_hybrid_linear(sg.model_path)):
+        raise ConfigError(refusal)
     if not vamp.enabled:
         return
     if sg.disable_radix_cache:
@@ -187,7 +190,7 @@ def prepare(argv: list[str]) -> Launch:
         from vamp_sglang import cpu
 
         env.update(cpu.cpu_environment(sg.tp_size))
-        sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults(sg.model_path))
+        sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults(sg.model_path) + hicache_refusals.cpu_defaults(sg))
         if hybrid_model.is_hybrid_linear(sg.model_path):  # Qwen3-Next: the flags its CPU path needs
             env.update(hybrid_model.hybrid_cpu_environment(os.environ))
             sglang_argv = _with_defaults(sglang_argv, hybrid_model.hybrid_cpu_defaults())

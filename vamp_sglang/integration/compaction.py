@@ -7,6 +7,10 @@ uses it: the tree is its only owner) is copied to a free row below the new size 
 index is rewritten. That works while requests run, as long as none of them holds a tail row
 (`tail_is_movable`). Output is unchanged: the same K/V bytes, at another row. Page size 1 only
 (the allocator's ids are rows).
+
+With HiCache a node HiCache holds a host copy of (`backuped`), is writing to host or loading from it keeps
+its rows (`_held_by_hicache`): its in-flight transfers captured the device rows when they were submitted.
+Such a tail is not movable; the restore waits or evicts instead (docs/hicache.md).
 """
 
 from __future__ import annotations
@@ -24,16 +28,28 @@ def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[torch.Tensor,
     rows: only the tree refers to those rows, so they may move while requests run."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    held = []
+    held, hicache = [], _held_by_hicache(tree_cache)
     for node in radix_tree.tree_core_of(tree_cache).device_nodes():
-        if any(cd.lock_ref > 0 for cd in node.component_data):
+        full = node.component_data[ComponentType.FULL]
+        if any(cd.lock_ref > 0 for cd in node.component_data) or full.host_value is not None or node.id in hicache:
             continue
-        value = node.component_data[ComponentType.FULL].value
+        value = full.value
         if value is not None and value.numel():
             mask = value > keep_tokens
             if bool(mask.any()):
                 held.append((value, mask))
     return held
+
+
+def _held_by_hicache(tree_cache: Any) -> set[int]:
+    """Ids of the nodes HiCache is writing to host or loading back (UnifiedRadixCache.ongoing_*; none without
+    HiCache)."""
+    ids: set[int] = set()
+    for write in getattr(tree_cache, "ongoing_write_through", {}).values():
+        ids.add(write.node_id)
+        ids.update(write.publish_node_ids)
+    ids.update(load.node_id for load in getattr(tree_cache, "ongoing_load_back", {}).values())
+    return ids
 
 
 def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
