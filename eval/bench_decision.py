@@ -1,4 +1,4 @@
-"""`python -m eval.bench_decision [--sessions S --turns T --gap-tokens G --repeats N --json OUT]`.
+"""`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --json OUT]`.
 
 What one VAMP decision costs at a KV shortfall, against SGLang's own eviction on the same tree.
 The tree is SGLang's real `UnifiedRadixCache` over our tree core: S multi-turn sessions behind one
@@ -8,9 +8,12 @@ reused from an earlier measurement):
 
 - `decision`: what the decision maker does before it acts: the eviction candidates taken lazily
   in the tree's order (`radix_eviction.eviction_candidates`), the snapshot, and the plan with all four costs;
-- `sglang_evict`: `tree_cache.evict(G tokens)` alone, as stock SGLang runs it at a shortfall;
-- `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan
-  runs (the eviction heap reuses the priorities the decision computed).
+- `sglang_evict`: `tree_cache.evict(G tokens)` alone with SGLang's own device walk (a heap over
+  every evictable leaf, as stock SGLang runs it at a shortfall; the tree's kept order set aside);
+- `kept_evict`: the same eviction as this tree runs it, from the order it keeps between shortfalls;
+- `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan runs.
+
+The default reports two trees: 500 sessions (10,006 nodes) and 5,000 (100,006 nodes, fewer repeats).
 
 After each eviction the evicted turns are written back, so every repeat sees the same tree.
 Prints the medians and p99s and their ratio to SGLang's eviction, as JSON too; a script, not a
@@ -106,56 +109,75 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=500)
+    parser.add_argument("--sessions", default="500,5000", help="one tree per value (comma-separated)")
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--gap-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=200, help="for the first tree; a tenth (>= 20) for larger")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup_allocator_context()
     radix_backend.install()
-    cache, allocator, step, histories = build_tree(args.sessions, args.turns, args.seed)
+    results = []
+    for i, sessions in enumerate(int(v) for v in args.sessions.split(",")):
+        repeats = args.repeats if i == 0 else max(20, args.repeats // 10)
+        results.append(bench_tree(sessions, args.turns, args.gap_tokens, repeats, args.seed))
+    print(json.dumps(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=2)
+
+
+def stock_evict(cache, n_tokens: int) -> None:
+    """SGLang's own device walk (its heap over every evictable leaf), this tree's kept order set aside."""
+    full = cache.tree_core.components_by_type[ComponentType.FULL]
+    patched = {name: full.__dict__.pop(name) for name in
+               ("_evict_device_start", "_evict_device_next_node", "_evict_device_end") if name in full.__dict__}
+    try:
+        cache.evict(EvictParams(num_tokens=n_tokens))
+    finally:
+        full.__dict__.update(patched)
+
+
+def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: int) -> dict:
+    cache, allocator, step, histories = build_tree(sessions, turns, seed)
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
-    times: dict[str, list[float]] = {"decision": [], "sglang_evict": [], "decision_then_evict": []}
+    names = ("decision", "sglang_evict", "kept_evict", "decision_then_evict")
+    times: dict[str, list[float]] = {name: [] for name in names}
     actions = set()
 
-    def sglang_evict() -> None:
-        cache.evict(EvictParams(num_tokens=args.gap_tokens))
+    def kept_evict() -> None:
+        cache.evict(EvictParams(num_tokens=gap_tokens))
 
-    for _ in tqdm(range(args.repeats), desc="timing decisions"):
+    for _ in tqdm(range(repeats), desc=f"timing decisions ({nodes} nodes)"):
         step[0] += 1
-        times["decision"].append(timed_us(lambda: actions.add(decide(cache, args.gap_tokens, coefficients))))
+        times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients))))
         step[0] += 1
-        times["sglang_evict"].append(timed_us(sglang_evict))
+        times["sglang_evict"].append(timed_us(lambda: stock_evict(cache, gap_tokens)))
         restore(cache, allocator, histories)
         step[0] += 1
-        times["decision_then_evict"].append(timed_us(lambda: (decide(cache, args.gap_tokens, coefficients),
-                                                             sglang_evict())))
+        times["kept_evict"].append(timed_us(kept_evict))
+        restore(cache, allocator, histories)
+        step[0] += 1
+        times["decision_then_evict"].append(timed_us(lambda: (decide(cache, gap_tokens, coefficients),
+                                                             kept_evict())))
         restore(cache, allocator, histories)
     stats = {name: summary(samples) for name, samples in times.items()}
-    result = {
-        "nodes": nodes, "evictable_leaves": leaves, "gap_tokens": args.gap_tokens, "repeats": args.repeats,
-        "plans": sorted(actions),
-        "decision_us_median": stats["decision"]["median"], "decision_us_p99": stats["decision"]["p99"],
-        "sglang_evict_us_median": stats["sglang_evict"]["median"],
-        "sglang_evict_us_p99": stats["sglang_evict"]["p99"],
-        "decision_then_evict_us_median": stats["decision_then_evict"]["median"],
-        "decision_over_sglang_evict": stats["decision"]["median"] / stats["sglang_evict"]["median"],
-        "decision_then_evict_over_sglang_evict":
-            stats["decision_then_evict"]["median"] / stats["sglang_evict"]["median"],
-    }
-    print(f"tree: {nodes} nodes, {leaves} evictable leaves; gap {args.gap_tokens} tokens; plans {sorted(actions)}")
+    base = stats["sglang_evict"]["median"]
+    result = {"nodes": nodes, "evictable_leaves": leaves, "gap_tokens": gap_tokens, "repeats": repeats,
+              "plans": sorted(actions)}
+    for name in names:
+        result[f"{name}_us_median"], result[f"{name}_us_p99"] = stats[name]["median"], stats[name]["p99"]
+        if name != "sglang_evict":
+            result[f"{name}_over_sglang_evict"] = stats[name]["median"] / base
+    print(f"tree: {nodes} nodes, {leaves} evictable leaves; gap {gap_tokens} tokens; plans {sorted(actions)}")
     for name, s in stats.items():
         print(f"  {name:<22} median {s['median']:9.1f} us   p99 {s['p99']:9.1f} us   "
-              f"x sglang evict {s['median'] / stats['sglang_evict']['median']:.2f}")
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+              f"x sglang evict {s['median'] / base:.2f}")
+    return result
 
 
 def restore(cache, allocator, histories) -> None:

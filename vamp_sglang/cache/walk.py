@@ -62,13 +62,15 @@ class EvictionEstimate(Generic[N]):
         return self.tokens >= self.requested_tokens
 
 
-def estimate(tree: EvictableTree[N], n_tokens: int, cost_s: Callable[[N], float]) -> EvictionEstimate[N]:
-    """Free at least `n_tokens` the way the tree would (stopping as SGLang's loop does), summing C_c."""
+def estimate(tree: EvictableTree[N], n_tokens: int, cost_s: Callable[[N], float],
+             order: Iterable[N] | None = None) -> EvictionEstimate[N]:
+    """Free at least `n_tokens` the way the tree would (stopping as SGLang's loop does), summing C_c.
+    `order`: the nodes in eviction order if the tree keeps it (default: `eviction_order(tree)`)."""
     if n_tokens < 0:
         raise ValueError(f"estimate needs n_tokens >= 0 (got {n_tokens!r})")
     freed, total_s, nodes = 0, 0.0, []
     if n_tokens > 0:
-        for node in eviction_order(tree):
+        for node in eviction_order(tree) if order is None else order:
             freed += tree.tokens(node)
             total_s += cost_s(node)
             nodes.append(node)

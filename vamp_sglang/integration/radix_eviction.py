@@ -4,13 +4,15 @@ The planner weighs evicting against offloading and preemption (paper IV-B) befor
 so it needs the nodes SGLang's eviction would take, in SGLang's own order, each with the statistics
 Eq. 1 prices it by, and the summed C_c (Eq. 2) of freeing N tokens. These are read-only views of a
 `VampTreeCore` (radix_tree.py) handed to the pure walks in vamp_sglang/cache/: `eviction_order` and
-`estimate` replay SGLang's device eviction heap (cache/walk.py), `tokens_losing_reuse` says what a
+`estimate` replay SGLang's device eviction heap (cache/walk.py), taking the leaves from the order the
+tree keeps between shortfalls where it keeps one (`kept_order`, cache/leaf_order.py), `tokens_losing_reuse` says what a
 hybrid node's eviction makes unreachable (cache/hybrid.py): a leaf with a state is priced by every
 token its eviction strands, its stateless ancestors included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -100,6 +102,23 @@ class _DeviceTreeView:
         return parent
 
 
+def kept_order(core: VampTreeCore) -> Iterator[UnifiedTreeNode]:
+    """The nodes `core`'s eviction would take, in its order, read-only: from the order the tree keeps
+    (pricing only the leaves near the front) where it keeps one, else from a heap over every leaf."""
+    view = _DeviceTreeView(core)
+    if core.vamp_leaf_order is None:
+        yield from eviction_order(view)
+        return
+    removed: set[UnifiedTreeNode] = set()
+    walk = core.vamp_ordered_walk(lambda node: node not in removed)
+    for node in walk:
+        removed.add(node)
+        yield node
+        parent = view.parent_if_leaf_after(node, removed)
+        if parent is not None:
+            walk.push(parent)
+
+
 def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, running_requests: int,
                         retract_buffer_tokens: int) -> list[EvictableBlock]:
     """Nodes in the order the tree would evict them, taken lazily until they cover the most any plan
@@ -107,7 +126,7 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     core = tree_core_of(tree_cache)
     need = eviction_need_tokens(gap_tokens, free_tokens, running_requests, retract_buffer_tokens)
     now, out, covered, lost = core.now_steps(), [], 0, LostTokens(core)
-    for node in eviction_order(_DeviceTreeView(core)):
+    for node in kept_order(core):
         if covered >= need:
             break
         tokens = core.node_tokens(node)
@@ -144,7 +163,8 @@ def eviction_plan(tree_cache: Any, n_tokens: int) -> EvictionEstimate:
     """The nodes `tree_cache.evict(EvictParams(num_tokens=n_tokens))` would free now, and their C_c."""
     core = tree_core_of(tree_cache)
     lost = LostTokens(core)
-    return estimate(_DeviceTreeView(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)))
+    return estimate(_DeviceTreeView(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)),
+                    kept_order(core))
 
 
 def estimate_eviction(tree_cache: Any, n_tokens: int) -> tuple[int, float]:

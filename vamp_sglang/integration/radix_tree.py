@@ -20,9 +20,15 @@ Hybrid models (a MAMBA component: Qwen3-Next's linear-attention state) follow SG
 (cache/hybrid.py): a match ends at the deepest node holding a state, so a stateless leaf is evicted
 first (priority below every p_eff) and costs nothing.
 
-Every eviction prices each leaf once: priorities are memoised per node for the current step and
-tree-wide hit rate (a node's own change drops its entry), so the planner's read-only walk and
-SGLang's eviction heap that follows it share one computation.
+The eviction order is kept between shortfalls (cache/leaf_order.py): the evictable leaf set SGLang
+maintains (`evictable_device_leaves`, updated on insert, split, lock, unlock and eviction) reports
+each change to a `LeafOrder`, and both the planner's read-only walk (`vamp_eviction_order`) and the
+eviction SGLang runs (its FULL component's device walk, replaced on this tree) take leaves from it in
+exactly the order SGLang's heap over every leaf would give, pricing only the leaves near the front.
+Trees where that order is not ours alone keep SGLang's heap: hybrid trees (states come and go
+outside the leaf set), session-ref ordering, and eviction policies other than `vamp`. Priorities are
+memoised per node for the current step and tree-wide hit rate (a node's own change drops its entry),
+so the planner's walk and the eviction that follows share one computation.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from vamp_sglang.cache import AdmissionLedger, CostOrder, NodeStats
+from vamp_sglang.cache import AdmissionLedger, CostOrder, LeafOrder, NodeStats, OrderedWalk
 
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
@@ -71,10 +77,55 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_priority_key: tuple[int, float] | None = None  # (step, tree-wide hit rate)
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
+        self.vamp_leaf_order: LeafOrder | None = None  # set below where the order is p_eff's alone
+        self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
         super().__init__(params, components)
         self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
         if isinstance(self.eviction_strategy, VampStrategy):
             self.eviction_strategy.bind(self.vamp_priority)
+            full = self.components_by_type[_FULL]
+            if not self.vamp_hybrid and full.session_ref_eviction_strategy is None:
+                c = order.coefficients
+                self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe)
+                self._watch_leaves()
+                full._evict_device_start = self._vamp_evict_start  # SGLang's heap over every leaf, replaced
+                full._evict_device_next_node = self._vamp_evict_next
+                full._evict_device_end = self._vamp_evict_end
+
+    # --- the eviction order kept between shortfalls ----------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        if getattr(self, "vamp_leaf_order", None) is not None:
+            self._watch_leaves()
+
+    def _watch_leaves(self) -> None:
+        order = self.vamp_leaf_order
+        order.clear()
+        self.evictable_device_leaves = _WatchedLeaves(self.evictable_device_leaves, order)
+        for node in self.evictable_device_leaves:
+            order.add(node)
+
+    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool], live: bool = False) -> OrderedWalk:
+        """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`)."""
+        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_ledger.hit_rate, self.vamp_priority,
+                                         admits, live)
+
+    def _vamp_evict_start(self, request_cnt: int) -> None:
+        full = self.components_by_type[_FULL]
+        full._evict_device_request_cnt = request_cnt
+        self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__, live=True)
+
+    def _vamp_evict_next(self, tracker: dict, device_frees: Any, host_frees: Any, cache_actions: Any) -> Any:
+        """SGLang's `FullComponent._evict_device_next_node`: the next leaf, until the request is met."""
+        if tracker[_FULL] >= self.components_by_type[_FULL]._evict_device_request_cnt:
+            return None
+        node = next(self.vamp_walk, None)
+        return None if node is None else node.id
+
+    def _vamp_evict_end(self) -> None:
+        if self.vamp_walk is not None:
+            self.vamp_walk.close()
+        self.vamp_walk = None
 
     def now_steps(self) -> int:
         return int(self.vamp_step_fn())
@@ -168,6 +219,36 @@ class VampUnifiedRadixCache(UnifiedRadixCache):
     def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
         self.tree_core.vamp_evicted_tokens += num_evicted
         super().update_eviction_metrics(num_evicted, start_time)
+
+
+def _describe(node: UnifiedTreeNode) -> tuple:
+    stats = node.vamp_stats
+    return (node.priority, stats.hits, stats.last_step, stats.created_step, stats.prior)
+
+
+class _WatchedLeaves(set):
+    """SGLang's evictable device leaf set, reporting each change to the kept order (SGLang only
+    calls `add` and `discard` on it)."""
+
+    def __init__(self, leaves: set, order: LeafOrder) -> None:
+        super().__init__(leaves)
+        self.order = order
+
+    def add(self, node: UnifiedTreeNode) -> None:
+        super().add(node)
+        self.order.add(node)
+
+    def discard(self, node: UnifiedTreeNode) -> None:
+        super().discard(node)
+        self.order.discard(node)
+
+    def remove(self, node: UnifiedTreeNode) -> None:
+        super().remove(node)
+        self.order.discard(node)
+
+    def clear(self) -> None:
+        super().clear()
+        self.order.clear()
 
 
 def tree_core_of(tree_cache: Any) -> VampTreeCore:

@@ -1,0 +1,134 @@
+"""The eviction order kept between shortfalls (cache/leaf_order.py) equals a full re-sort, always.
+
+Random operation sequences on SGLang's real cache over our tree core (tests/test_radix_tree_state.py's
+machine: requests, admissions, locks, unlocks, evictions, time passing), plus writers with known hit
+rates, request priorities and admissions that move the tree-wide rate. After every step the order
+the kept structure gives must be the one a heap over every evictable leaf gives (SGLang's own walk,
+`cache.walk.eviction_order`), and every eviction must take exactly the nodes the full re-sort predicts.
+"""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+
+from tests.test_radix_tree_state import POOL_TOKENS, RadixMachine, build_cache, key_of, sglang_context  # noqa: F401
+from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, bucket_low, bucket_of, estimate, eviction_order
+from vamp_sglang.integration import radix_eviction
+from vamp_sglang.integration.radix_tree import _describe
+from vamp_sglang.policy import Coefficients
+
+
+def full_resort(core):
+    return list(eviction_order(radix_eviction._DeviceTreeView(core)))
+
+
+class KeptOrderMachine(RadixMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        assert self.core.vamp_leaf_order is not None
+
+    @rule(data=st.data(), prior=st.sampled_from([None, 0.0, 0.1, 0.5, 0.93, 1.0]), priority=st.integers(0, 2))
+    def write_with_prior_and_priority(self, data, prior, priority):
+        tokens = data.draw(self.sequences())
+        match = self._match(tokens)
+        prefix_len = match.device_prefix_len
+        prefix = self.cache.path_device_indices(match.last_device_node)[:prefix_len]
+        new = self._alloc(len(tokens) - prefix_len)
+        if new is not None:
+            with self.core.written_by(prior):
+                self.cache.insert(InsertParams(key=key_of(tokens), value=torch.cat([prefix, new]),
+                                               prev_prefix_len=prefix_len, priority=priority))
+
+    @rule(hit=st.integers(0, 8))
+    def tree_wide_rate_moves(self, hit):
+        self.core.vamp_ledger.record(hit, 8)
+
+    @rule(n_tokens=st.integers(0, POOL_TOKENS))
+    def evict(self, n_tokens):
+        view = radix_eviction._DeviceTreeView(self.core)
+        predicted = estimate(view, n_tokens, lambda node: 0.0)  # a heap over every leaf
+        before = {n.id for n in self.core.device_nodes()}
+        self.cache.evict(EvictParams(num_tokens=n_tokens))
+        assert before - {n.id for n in self.core.device_nodes()} == {n.id for n in predicted.nodes}
+
+    @invariant()
+    def kept_order_is_the_full_resort(self):
+        assert [n.id for n in radix_eviction.kept_order(self.core)] == [n.id for n in full_resort(self.core)]
+
+    @invariant()
+    def kept_leaves_are_sglang_leaves(self):
+        assert set(self.core.vamp_leaf_order.entries) == {n.id for n in self.core.evictable_device_leaves}
+
+
+TestKeptOrder = KeptOrderMachine.TestCase
+TestKeptOrder.settings = settings(max_examples=10, stateful_step_count=25, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_bucket_edges_bound_every_rate_from_below():
+    for r in [1e-9, 0.01, 0.1, 0.25, 0.5, 0.5000001, 0.75, 0.999999, 1.0]:
+        b = bucket_of(r)
+        assert bucket_low(b) <= r < bucket_low(b + 1) / (1 - 2.0 ** -40) * 1.0000001
+    assert bucket_low(bucket_of(0.0)) == 0.0
+
+
+def test_sessions_and_other_policies_keep_sglangs_heap():
+    for sessions, policy in [(True, "vamp"), (False, "lru")]:
+        cache, _ = build_cache(1, sessions, policy)
+        assert cache.tree_core.vamp_leaf_order is None
+
+
+class _Node:
+    """A leaf as LeafOrder sees one: an id, SGLang's request priority, VAMP's stats."""
+
+    def __init__(self, node_id: int, stats: NodeStats, priority: int) -> None:
+        self.id, self.vamp_stats, self.priority = node_id, stats, priority
+
+    def __lt__(self, other: "_Node") -> bool:
+        return self.id < other.id
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40), st.integers(0, 3000),
+                          st.sampled_from([None, 0.0, 0.05, 0.3, 0.5, 0.51, 0.9, 1.0]), st.integers(0, 1)),
+                min_size=1, max_size=60),
+       st.lists(st.tuples(st.integers(0, 59), st.sampled_from(["hit", "touch", "drop", "priority", "rate"]),
+                          st.integers(0, 5000)), max_size=40),
+       st.integers(0, 8000))
+@settings(max_examples=150, deadline=None)
+def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
+    """Many leaves, statistics that grow, leaves that leave, time and the tree-wide rate moving."""
+    order_of = CostOrder(Coefficients())
+    rate = [0.4]
+
+    def exact(node):
+        return (1, node.priority, *order_of.priority(node.vamp_stats, now_step[0], rate[0]))
+
+    kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
+    live, now_step = {}, [0]
+    for i, (hits, created, age, prior, priority) in enumerate(nodes):
+        live[i] = _Node(i, NodeStats(created + age, hits, created, prior), priority)
+        kept.add(live[i])
+    for target, op, amount in ops:
+        node = live.get(target)
+        if op == "rate":
+            rate[0] = (amount % 11) / 10
+            continue
+        if node is None:
+            continue
+        if op == "drop":
+            kept.discard(live.pop(target))
+            continue
+        elif op == "hit":
+            node.vamp_stats.admit(node.vamp_stats.last_step + amount % 7, count_hit=True)
+        elif op == "touch":
+            node.vamp_stats.touch(node.vamp_stats.last_step + amount)
+        else:
+            node.priority += 1
+        if amount % 3:  # some changes reach the order (SGLang re-adds the leaf), others it finds stale
+            kept.add(node)
+    for step in (now, now + 2500, now + 40000):
+        now_step[0] = step
+        walk = kept.walk(step, rate[0], exact, lambda n: True)
+        assert [n.id for n in walk] == [n.id for n in sorted(live.values(), key=lambda n: (exact(n), n))]

@@ -1,0 +1,196 @@
+"""The eviction order kept between shortfalls: evictable leaves bucketed by a time-invariant key.
+
+p_eff (Eq. 1) = alpha * r_hit / (1 + age / tau) decays hyperbolically, and two nodes' p_eff cross as
+time passes (a warm old node and a cold fresh one swap), so no key fixed at insertion orders nodes by
+p_eff at every later step. What is invariant: for nodes with the same r_hit, p_eff at any step is
+non-decreasing in the last-use step, and r_hit itself only changes when the node's own statistics do.
+So the leaves are kept in buckets of similar r_hit (geometric, 2^(1/8) wide, plus an exact bucket for
+r_hit = 0), each a heap by (last_step, created_step, id); a bucket's lower edge r_low gives every
+member a LOWER BOUND of its p_eff at any step, LB = alpha * r_low / (1 + age / tau) (the same float
+expression as Eq. 1 with a smaller r, so never above the real value), non-decreasing in the bucket's
+order. A walk enumerates the buckets' entries in order of (priority, LB, last, created) through one
+frontier heap and moves them into an exact heap keyed by the tree's real priority tuple; it yields
+the exact heap's head only once that head is below every bound not yet taken. Since each bound is at
+most its node's real key, the order is the full re-sort's exactly (`tests/test_cache_leaf_order.py`
+checks it against SGLang's heap on random operation sequences), at the cost of the nodes whose bound
+falls below the last one evicted, not of every leaf.
+
+Entries go stale in the safe direction only: a node's hits, last step and request priority only grow,
+so an old entry still bounds it from below; the walk refreshes one it finds stale. Nodes whose writer's
+hit rate is unknown are priced with the tree-wide rate, which can fall, so they are re-bucketed when
+it changed since they were bucketed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+BUCKETS_PER_OCTAVE = 8
+ZERO_BUCKET = -(10 ** 9)  # r_hit == 0: p_eff is 0 at every step, the bound is exact
+_SAFETY = 1.0 - 2.0 ** -40  # r_low below every r_hit of its bucket despite rounding
+
+# (request priority, hits, last step, created step, writer's hit rate or None) of a node
+Describe = Callable[[Any], tuple[int, int, int, int, "float | None"]]
+
+
+def bucket_of(r_hit: float) -> int:
+    if r_hit <= 0.0:
+        return ZERO_BUCKET
+    b = math.floor(math.log2(r_hit) * BUCKETS_PER_OCTAVE)
+    while bucket_low(b) > r_hit:
+        b -= 1
+    return b
+
+
+def bucket_low(b: int) -> float:
+    return 0.0 if b == ZERO_BUCKET else 2.0 ** (b / BUCKETS_PER_OCTAVE) * _SAFETY
+
+
+class LeafOrder:
+    """The evictable leaves of one tree, bucketed as the module says; updated as leaves come and go."""
+
+    def __init__(self, alpha: float, tau_steps: float, describe: Describe) -> None:
+        self.alpha, self.tau_steps, self.describe = alpha, tau_steps, describe
+        self.buckets: dict[tuple[int, int], list[tuple]] = {}  # (priority, bucket) -> heap of entries
+        self.entries: dict[int, tuple[tuple[int, int], tuple, tuple]] = {}  # id -> (bucket key, entry, described)
+        self.dead = 0  # entries left in a heap after their node left or was re-bucketed
+        self.deferred: list[tuple] = []  # (bucket key, entry) not yet in a heap
+        self.unknown_prior: set[int] = set()  # ids priced with the tree-wide rate
+        self.rate = 0.0  # the tree-wide rate those were bucketed with
+        self.walking: OrderedWalk | None = None  # a live eviction walk in progress (sees new leaves)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.buckets.clear()
+        self.entries.clear()
+        self.unknown_prior.clear()
+        self.deferred = []
+        self.dead = 0
+
+    def add(self, node: Any) -> None:
+        """`node` is (still) an evictable leaf: (re)bucket it if its statistics moved."""
+        if self.place(node) and self.walking is not None:
+            self.walking.push(node)  # a leaf freed by the live walk's own eviction
+        if len(self.deferred) > 2 * len(self.entries) + 64 and self.walking is None:
+            self.flush()
+
+    def place(self, node: Any, force: bool = False) -> bool:
+        """Record `node`'s current bucket; its heap entry waits in `deferred` until the next walk (a walk
+        reads the heaps by position, so they only change between walks). False: nothing moved."""
+        described = self.describe(node)
+        old = self.entries.get(node.id)
+        if old is not None and old[2] == described and not force:
+            return False
+        priority, hits, last, created, prior = described
+        if prior is None:
+            self.unknown_prior.add(node.id)
+        rho = self.rate if prior is None else prior
+        key = (priority, bucket_of((hits + rho) / (hits + 1)))
+        entry = (last, created, node.id, node)
+        if old is not None:
+            self.dead += 1
+        self.entries[node.id] = (key, entry, described)
+        self.deferred.append((key, entry))
+        return True
+
+    def discard(self, node: Any) -> None:
+        if self.entries.pop(node.id, None) is not None:
+            self.dead += 1
+            self.unknown_prior.discard(node.id)
+
+    def flush(self) -> None:
+        for key, entry in self.deferred:
+            current = self.entries.get(entry[2])
+            if current is not None and current[1] is entry:
+                heapq.heappush(self.buckets.setdefault(key, []), entry)
+            else:
+                self.dead += 1
+        self.deferred = []
+
+    def prepare(self, rate: float) -> None:
+        """Before a walk: re-bucket nodes priced with the tree-wide rate if it moved, file the deferred
+        entries, drop dead ones."""
+        if rate != self.rate:
+            self.rate = rate
+            for node_id in list(self.unknown_prior):
+                self.place(self.entries[node_id][1][3], force=True)
+        self.flush()
+        if self.dead > len(self.entries) + 64:
+            self.buckets = {}
+            for key, entry, _ in self.entries.values():
+                self.buckets.setdefault(key, []).append(entry)
+            for heap in self.buckets.values():
+                heapq.heapify(heap)
+            self.dead = 0
+
+    def bound(self, key: tuple[int, int], entry: tuple, now: float) -> tuple:
+        """(1, priority, LB of p_eff, last, created): at most the tree's priority tuple of the node."""
+        age = max(now - entry[0], 0)
+        return (1, key[0], self.alpha * bucket_low(key[1]) / (1.0 + age / self.tau_steps), entry[0], entry[1])
+
+    def walk(self, now: float, rate: float, exact: Callable[[Any], tuple], admits: Callable[[Any], bool],
+             live: bool = False) -> OrderedWalk:
+        """Leaves smallest `exact` key first. `admits(node)`: still a candidate (not taken, still a leaf);
+        `live`: the caller evicts what it is given, and the leaves that frees join the walk."""
+        self.prepare(rate)
+        return OrderedWalk(self, now, exact, admits, live)
+
+
+class OrderedWalk:
+    """One pass over a `LeafOrder` (see the module); `push` adds a node (a parent that became a leaf)."""
+
+    def __init__(self, order: LeafOrder, now: float, exact: Callable[[Any], tuple],
+                 admits: Callable[[Any], bool], live: bool) -> None:
+        self.order, self.now, self.exact, self.admits, self.live = order, now, exact, admits, live
+        self.frontier = [(order.bound(key, heap[0], now), key, 0) for key, heap in order.buckets.items() if heap]
+        heapq.heapify(self.frontier)
+        self.ready: list[tuple[tuple, Any]] = []  # (exact key, node), as SGLang's eviction heap holds them
+        self.seen: set[int] = set()
+        if live:
+            order.walking = self
+
+    def push(self, node: Any) -> None:
+        if node.id not in self.seen:
+            self.seen.add(node.id)
+            heapq.heappush(self.ready, (self.exact(node), node))
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        ready, frontier = self.ready, self.frontier
+        while True:
+            if ready and (not frontier or ready[0][0] < frontier[0][0]):
+                node = heapq.heappop(ready)[1]
+                if self.admits(node):
+                    return node
+                continue
+            if not frontier:
+                self.close()
+                raise StopIteration
+            self._pull()
+
+    def _pull(self) -> None:
+        order = self.order
+        _, key, i = heapq.heappop(self.frontier)
+        heap = order.buckets[key]
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < len(heap):
+                heapq.heappush(self.frontier, (order.bound(key, heap[child], self.now), key, child))
+        entry = heap[i]
+        node = entry[3]
+        current = order.entries.get(node.id)
+        if current is None or current[1] is not entry or node.id in self.seen or not self.admits(node):
+            return
+        if current[2] != order.describe(node):
+            order.place(node)  # grew since bucketed: refiled for later walks (still a bound for this one)
+        self.push(node)
+
+    def close(self) -> None:
+        if self.order.walking is self:
+            self.order.walking = None
