@@ -69,3 +69,18 @@ def test_value_falls_with_age(hits, age, rate):
     now = 2 * 10**6
     fresh, older = stats(hits, now - age), stats(hits, now - age - 1)
     assert ORDER.priority(older, now, rate) < ORDER.priority(fresh, now, rate)
+
+
+def test_priority_prices_with_eq1s_own_floats():
+    """CostOrder.priority inlines reuse_probability (it runs per leaf priced): the same floats, exactly."""
+    import random
+
+    from vamp_sglang.policy.costs import reuse_probability
+
+    order, rng = CostOrder(Coefficients()), random.Random(0)
+    for _ in range(2000):
+        stats = NodeStats(rng.randint(0, 5000), rng.randint(0, 50), 0, rng.choice([None, rng.random(), 0.0, 1.0]))
+        now, rate = rng.randint(0, 9000), rng.random()
+        expected = reuse_probability(stats.hits, stats.age_steps(now), rate if stats.prior is None else stats.prior,
+                                     order.coefficients)
+        assert order.priority(stats, now, rate)[0] == expected

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vamp_sglang.cache.node_stats import NodeStats
-from vamp_sglang.policy.costs import Coefficients, cached_block_cost_s, reuse_probability
+from vamp_sglang.policy.costs import Coefficients, cached_block_cost_s
 
 Priority = tuple[float, int, int]
 
@@ -39,9 +39,14 @@ class CostOrder:
 
     def priority(self, stats: NodeStats, now_step: int, observed_hit_rate: float) -> Priority:
         """Smallest first: (p_eff of Eq. 1, last use step, creation step)."""
-        p_eff = reuse_probability(stats.hits, stats.age_steps(now_step), _rate(stats, observed_hit_rate),
-                                  self.coefficients)
-        return (p_eff, stats.last_step, stats.created_step)
+        # reuse_probability's expression inlined (the same floats; its argument checks hold by construction:
+        # NodeStats keeps hits >= 0 and a prior in [0, 1], ages are clamped at 0): it runs per leaf priced
+        hits, last, rate = stats.hits, stats.last_step, _rate(stats, observed_hit_rate)
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"a hit rate must be in [0, 1] (got {rate!r})")
+        c = self.coefficients
+        age = now_step - last if now_step > last else 0
+        return (c.alpha * ((hits + rate) / (hits + 1)) / (1.0 + age / c.tau_steps), last, stats.created_step)
 
 
 def _rate(stats: NodeStats, observed_hit_rate: float) -> float:
