@@ -90,3 +90,12 @@ def test_transfer_engine_streams_can_be_synchronized():
     engine.host_to_device_stream.synchronize()
     with torch.cpu.stream(engine.host_to_device_stream):
         pass
+
+
+def test_a_whole_load_reports_its_tokens_and_time_once(monkeypatch):
+    seen = []
+    monkeypatch.setattr(hicache, "LOAD_OBSERVERS", [lambda tokens, s: seen.append((tokens, s))])
+    host = _Host("layer_first", *_device())
+    for layer in range(LAYERS):
+        hicache.load_to_device_per_layer(_never, host, None, torch.tensor([1, 2]), torch.tensor([3, 4]), layer, "direct")
+    assert len(seen) == 1 and seen[0][0] == 2 and seen[0][1] > 0

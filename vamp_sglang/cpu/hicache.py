@@ -20,6 +20,8 @@ A GPU server never gets these hooks (plugin.cpu_hooks).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +31,10 @@ from vamp_sglang.integration.hooks import Hook
 DIRECT = "direct"
 _COMMON = "sglang.srt.mem_cache.pool_host.common"
 _MHA_HOST = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
+# Called with (tokens, seconds) once per load of every layer: the host tier's measured load rate
+# (integration/hicache_tier.py), calibrated from HiCache's own transfers.
+LOAD_OBSERVERS: list[Callable[[int, float], None]] = []
+_load_s = [0.0]  # seconds spent so far in the layers of the load in progress
 
 
 def _host_register(original, buffer: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -80,6 +86,16 @@ def load_to_device_per_layer(original, host: Any, device_pool: Any, host_indices
         return original(host, device_pool, host_indices, device_indices, layer_id, io_backend, *args, **kwargs)
     if not kwargs.get("is_draft", False) and not 0 <= layer_id < host.target_layer_num:
         return None
+    start = time.perf_counter()
+    _load_layer(host, host_indices, device_indices, layer_id)
+    _load_s[0] = (0.0 if layer_id == 0 else _load_s[0]) + time.perf_counter() - start
+    if layer_id == host.target_layer_num - 1:
+        for observe in LOAD_OBSERVERS:
+            observe(int(host_indices.numel()), _load_s[0])
+    return None
+
+
+def _load_layer(host: Any, host_indices, device_indices, layer_id: int) -> None:
     device = [host.device_k_buffers[layer_id], host.device_v_buffers[layer_id]]
     if host.layout == "layer_first":
         transfer_kv_direct([host.k_buffer[layer_id], host.v_buffer[layer_id]], device, host_indices, device_indices)
@@ -88,7 +104,6 @@ def load_to_device_per_layer(original, host: Any, device_pool: Any, host_indices
                                            layer_id, host.page_size)
     else:
         raise ValueError(f"Unsupported layout for the direct io backend on CPU: {host.layout}")
-    return None
 
 
 def backup_from_device_all_layer(original, host: Any, device_pool: Any, host_indices, device_indices,

@@ -22,19 +22,27 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import decision_hooks, expert_memory_hooks, hybrid, runtime
+    from vamp_sglang.integration import decision_hooks, expert_memory_hooks, hicache_tier, hybrid, runtime
 
-    return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory_hooks.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS]
+    return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory_hooks.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS,
+            *hicache_tier.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
     """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
-    from vamp_sglang.integration import decision_hooks, expert_memory_hooks, hybrid, radix_backend
+    from vamp_sglang.integration import (
+        decision_hooks,
+        expert_memory_hooks,
+        hicache_tier,
+        hybrid,
+        radix_backend,
+    )
 
-    # Order matters: the decision maker needs the tree's step source and the expert memory; a hybrid
-    # configuration VAMP does not support is refused before the expert memory is built.
+    # Order matters: the decision maker needs the tree's step source, the expert memory and HiCache's host tier
+    # (which sizes the experts' host copies); a hybrid configuration VAMP does not support is refused before the
+    # expert memory is built.
     return [radix_backend.setup_scheduler, hybrid.setup_scheduler, expert_memory_hooks.setup_scheduler,
-            decision_hooks.setup_scheduler]
+            hicache_tier.setup_scheduler, decision_hooks.setup_scheduler]
 
 
 def cpu_hooks() -> list[Hook]:

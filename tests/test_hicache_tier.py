@@ -1,0 +1,50 @@
+"""integration/hicache_tier.py (issue 22): one host-memory budget, the measured load rate, host-tier hits."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vamp_sglang.integration import hicache_tier
+from vamp_sglang.integration.hicache_tier import GIB, HostBudgetError, HostTier, check_host_budget
+
+
+def _host_pool(tokens=64, per_token=32):
+    return SimpleNamespace(size=tokens, size_per_token=per_token, kv_buffer=torch.ones(2, tokens, per_token // 8))
+
+
+def test_the_budget_refusal_names_both_sizes():
+    with pytest.raises(HostBudgetError) as err:
+        check_host_budget(3 * GIB, 5 * GIB, 4 * GIB)
+    message = str(err.value)
+    assert "3.00 GiB" in message and "5.00 GiB" in message and "--hicache-ratio" in message
+    assert "--vamp-max-offload-ratio" in message
+    check_host_budget(3 * GIB, 4 * GIB, 4 * GIB)  # fits exactly
+
+
+def test_probe_measures_a_rate_and_hicache_loads_refine_it():
+    tier = HostTier(_host_pool(), expert_host_bytes=1000)
+    tier.probe("cpu")  # SGLang keeps device names as strings
+    assert tier.load_s_per_token is not None and tier.load_s_per_token > 0 and tier.loaded_tokens == 0
+    tier.observe_load(100, 1e-3)
+    tier.observe_load(0, 1.0)  # nothing loaded: ignored
+    assert tier.loaded_tokens == 100
+    stats = tier.stats()["hicache"]
+    assert stats["host_pool_bytes"] == 64 * 32 and stats["expert_host_bytes"] == 1000
+    assert stats["host_bytes_total"] == 64 * 32 + 1000 and stats["load_us_per_token"] > 0
+
+
+def test_each_request_s_hits_are_counted_once(monkeypatch):
+    tier = HostTier(_host_pool(), 0)
+    monkeypatch.setattr(hicache_tier, "_tier", tier)
+    req = SimpleNamespace(_cache_breakdown_computed=True, cached_tokens_host=40, cached_tokens_device=7)
+    fresh = SimpleNamespace(_cache_breakdown_computed=False, cached_tokens_host=0, cached_tokens_device=0)
+    batch = SimpleNamespace(reqs=[req, fresh])
+    hicache_tier._after_prepare_for_extend(None, batch)
+    hicache_tier._after_prepare_for_extend(None, batch)  # a later chunk of the same request
+    assert (tier.host_hit_tokens, tier.device_hit_tokens) == (40, 7)
+
+
+def test_without_hicache_there_is_no_tier():
+    assert hicache_tier.host_pool_of(SimpleNamespace(cache_controller=None)) is None
+    assert hicache_tier.host_pool_of(SimpleNamespace()) is None

@@ -1,0 +1,153 @@
+"""HiCache's host tier as VAMP sees it (issue 22, docs/hicache.md): one host-memory budget, the measured
+host-to-device load rate the planner prices evictions with, and the host-tier hits `/vamp/stats` reports.
+
+- Budget: the offloaded experts' host copies (one arena sized for the offload bound, allocated when the model
+  is paged: `memory.experts.host_copy_bytes`) and HiCache's host KV pool (`MHATokenToKVPoolHost`, allocated by
+  `UnifiedRadixCache.init_hicache`) share host memory. At scheduler start both must fit in what this process can
+  still use (SGLang's own `available_host_memory_bytes`, cgroup-aware, plus the expert copies, already written
+  and so already counted as used); otherwise the start fails with both sizes named.
+- Load rate: a timed copy of part of the host pool into a scratch device tensor at start, then (CPU mode) every
+  HiCache load the direct-backend hook performs (cpu/hicache.py), as an EMA of seconds per token
+  (`load_s_per_token`). The planner gets it agreed over TP ranks (plan_inputs.PlanInputs.host_load_s_per_token).
+- Hits: each admitted request's device and host cached tokens (`Req.cached_tokens_device/_host`, computed in
+  `ScheduleBatch.prepare_for_extend`), counted once per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from vamp_sglang.integration.hooks import Hook
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+PROBE_BYTES = 64 * 1024**2  # the start-up copy (or the whole host pool when smaller)
+EMA_WEIGHT = 0.2
+
+_tier: HostTier | None = None  # this scheduler process's tier (one scheduler per process)
+
+
+class HostBudgetError(RuntimeError):
+    """The expert host copies and HiCache's host pool do not fit in host memory together."""
+
+
+def check_host_budget(expert_host_bytes: int, hicache_host_bytes: int, available_bytes: int) -> None:
+    """Both must fit: `available_bytes` is what SGLang measures as still allocatable, which already excludes the
+    expert copies (written at start) but not HiCache's pool (allocated, not yet touched)."""
+    if hicache_host_bytes > available_bytes:
+        raise HostBudgetError(
+            f"vamp: host memory cannot hold both the offloaded experts' host copies "
+            f"({expert_host_bytes / GIB:.2f} GiB, --vamp-max-offload-ratio) and HiCache's host KV pool "
+            f"({hicache_host_bytes / GIB:.2f} GiB, --hicache-ratio / --hicache-size): "
+            f"{available_bytes / GIB:.2f} GiB is available once the expert copies are in; lower one of them")
+
+
+class HostTier:
+    """Sizes, the measured load rate and the hit counters of one scheduler's HiCache host tier."""
+
+    def __init__(self, host_pool: Any, expert_host_bytes: int) -> None:
+        self.host_pool = host_pool
+        self.bytes_per_token = int(host_pool.size_per_token)
+        self.host_pool_tokens = int(host_pool.size)
+        self.host_pool_bytes = self.host_pool_tokens * self.bytes_per_token
+        self.expert_host_bytes = int(expert_host_bytes)
+        self.load_s_per_token: float | None = None
+        self.loaded_tokens = 0
+        self.load_s = 0.0
+        self.host_hit_tokens = 0
+        self.device_hit_tokens = 0
+
+    def observe_load(self, tokens: int, seconds: float) -> None:
+        """Fold one HiCache load (all layers of `tokens` tokens in `seconds`) into the rate."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.loaded_tokens += tokens
+        self.load_s += seconds
+        rate = seconds / tokens
+        previous = self.load_s_per_token
+        self.load_s_per_token = rate if previous is None else previous + EMA_WEIGHT * (rate - previous)
+
+    def probe(self, device: torch.device) -> None:
+        """Time one host-to-device copy of part of the host pool (best of three)."""
+        device = torch.device(device)
+        flat = self.host_pool.kv_buffer.reshape(-1).view(torch.uint8)
+        n = min(PROBE_BYTES, flat.numel())
+        if n <= 0:
+            return
+        scratch = torch.empty(n, dtype=torch.uint8, device=device)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            scratch.copy_(flat[:n])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        self.observe_load(max(1, n // max(1, self.bytes_per_token)), best)
+        self.loaded_tokens = 0  # the probe is no HiCache load
+        self.load_s = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"hicache": {
+            "host_pool_tokens": self.host_pool_tokens, "host_pool_bytes": self.host_pool_bytes,
+            "expert_host_bytes": self.expert_host_bytes,
+            "host_bytes_total": self.host_pool_bytes + self.expert_host_bytes,
+            "host_hit_tokens": self.host_hit_tokens, "device_hit_tokens": self.device_hit_tokens,
+            "loaded_tokens": self.loaded_tokens, "load_s": round(self.load_s, 6),
+            "load_us_per_token": None if self.load_s_per_token is None else round(self.load_s_per_token * 1e6, 4)}}
+
+
+def host_pool_of(tree_cache: Any) -> Any:
+    """HiCache's host KV pool, or None when HiCache is off."""
+    controller = getattr(tree_cache, "cache_controller", None)
+    return getattr(controller, "mem_pool_host", None) if controller is not None else None
+
+
+def current() -> HostTier | None:
+    return _tier
+
+
+def setup_scheduler(scheduler: Any, runtime: Any) -> None:
+    """With HiCache on: check the budget, measure the load rate, add the `/vamp/stats` section."""
+    global _tier
+    host_pool = host_pool_of(scheduler.tree_cache)
+    if host_pool is None:
+        return
+    from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
+
+    from vamp_sglang.cpu import hicache as cpu_hicache
+    from vamp_sglang.memory.experts import host_copy_bytes
+
+    memory = getattr(runtime, "expert_memory", None)
+    expert_bytes = host_copy_bytes(memory.layout) if memory is not None and memory.layout.bound_groups else 0
+    tier = HostTier(host_pool, expert_bytes)
+    check_host_budget(expert_bytes, tier.host_pool_bytes, available_host_memory_bytes(allow_cgroup_fallback=True))
+    tier.probe(torch.device(getattr(scheduler.token_to_kv_pool_allocator, "device", "cpu")))
+    cpu_hicache.LOAD_OBSERVERS[:] = [tier.observe_load]
+    logger.info("vamp: HiCache host pool %.2f GiB (%d tokens) + expert host copies %.2f GiB; load %.3f us/token",
+                tier.host_pool_bytes / GIB, tier.host_pool_tokens, expert_bytes / GIB,
+                (tier.load_s_per_token or 0.0) * 1e6)
+    _tier = runtime.host_tier = tier
+    runtime.extensions.append(tier)
+
+
+def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Count each admitted request's device and host cached tokens once (SGLang computes them just now)."""
+    tier = _tier
+    if tier is None:
+        return
+    for req in batch.reqs:
+        if getattr(req, "_cache_breakdown_computed", False) and not getattr(req, "vamp_tier_counted", False):
+            req.vamp_tier_counted = True
+            tier.host_hit_tokens += int(req.cached_tokens_host)
+            tier.device_hit_tokens += int(req.cached_tokens_device)
+
+
+HOOKS = [
+    Hook("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", "after", _after_prepare_for_extend,
+         "HiCache: count each admitted request's device and host cached tokens for /vamp/stats"),
+]
