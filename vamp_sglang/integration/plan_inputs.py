@@ -67,6 +67,7 @@ class PlanInputs:
         self._agreed: Coefficients | None = None
         self._agreed_at_step = 0
         self._guard_cap: int | None = None  # the guard's cap last agreed by the ranks (several ranks only)
+        self._host_load: tuple[int, float | None] | None = None  # (step, agreed us/token) of HiCache's load rate
 
     def refresh_view(self) -> None:
         """Agree on the exact gain of every number of groups (after start-up and every remap).
@@ -117,6 +118,19 @@ class PlanInputs:
         if may_agree:
             self._guard_cap = self.rounds.agree(local, purpose="guard")
         return self._guard_cap
+
+    def host_load_us_per_token(self, tier: Any, may_agree: bool = True) -> float | None:
+        """HiCache's measured host-to-device load time per token (integration/hicache_tier.py; None without
+        HiCache or before a measurement). On several ranks the agreed minimum, re-agreed every
+        COEFFICIENT_AGREE_STEPS steps; a missed round gives None, so evictions are priced as re-prefills."""
+        local = None if tier is None or tier.load_s_per_token is None else tier.load_s_per_token * 1e6
+        if not self.rounds.several or local is None:
+            return local
+        step = self.step_fn()
+        if may_agree and (self._host_load is None or step - self._host_load[0] >= COEFFICIENT_AGREE_STEPS):
+            agreed = self.rounds.agree(max(1, int(local * 1e6)), fallback=0, purpose="host_load")  # picoseconds
+            self._host_load = (step, agreed / 1e6 if agreed > 0 else None)
+        return None if self._host_load is None else self._host_load[1]
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every

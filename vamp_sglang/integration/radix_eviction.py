@@ -132,7 +132,8 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
         tokens = core.node_tokens(node)
         covered += tokens
         out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
-                                  core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None))
+                                  core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None,
+                                  host_copy=bool(node.backuped)))  # HiCache's host copy (False without)
     return out
 
 

@@ -71,7 +71,7 @@ class DecisionMaker:
         logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
         from sglang.srt.environ import envs
 
-        from vamp_sglang.integration import radix_eviction
+        from vamp_sglang.integration import hicache_tier, radix_eviction
 
         victims = self._preempt_candidates(list(batch.reqs), int(tree_cache.token_to_kv_pool_allocator.page_size)) \
             if site == "decode" and batch is not None else []
@@ -90,6 +90,7 @@ class DecisionMaker:
             observed_hit_rate=self.runtime.ledger.hit_rate,
             coefficients=coeffs.as_overrides(),
             tpot_guard_groups=self.inputs.guard_cap_groups(),
+            host_load_us_per_token=self.inputs.host_load_us_per_token(hicache_tier.current()),
         )
 
     def offload_state(self, gains_by_groups: tuple[int, ...], batch: Any) -> OffloadState:

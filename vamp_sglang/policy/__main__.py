@@ -65,6 +65,10 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
         rows.append(f"TPOT guard: at most {s.tpot_guard_groups} of {s.offload.headroom_groups} headroom groups "
                     f"may be offloaded (--vamp-tpot-slo-ms)" + ("; offload ruled out" if not s.tpot_guard_groups
                                                                else ""))
+    if s.host_load_us_per_token is not None:
+        copies = sum(e.host_copy for e in s.evictable)
+        rows.append(f"HiCache host copy: {copies} of {len(s.evictable)} candidates, priced at the load "
+                    f"({s.host_load_us_per_token:g} us/token) in place of the re-prefill")
     rows += ["", f"  {'action':<10} {'cost_s':>12}"]
     for key in COST_KEYS:
         cost = p.costs[key]

@@ -109,6 +109,20 @@ def cached_block_cost_s(tokens: int, hits: int, age_steps: float, observed_hit_r
     return p_eff * (tokens * c.t_prefill_s + c.t_sched_s)
 
 
+def host_copy_block_cost_s(tokens: int, hits: int, age_steps: float, observed_hit_rate: float,
+                           load_s_per_token: float, c: Coefficients) -> float:
+    """Eq. 2 for a block HiCache holds a host copy of: C_c = p_eff * (n_tok * t_load + t_overhead).
+
+    Its next hit loads the copy (n_tok tokens over the measured host-to-device rate) instead of re-prefilling,
+    so t_load per token takes t_prefill's place; the scheduling round stays (docs/hicache.md).
+    """
+    if tokens < 0 or not (math.isfinite(load_s_per_token) and load_s_per_token > 0):
+        raise ValueError(f"host_copy_block_cost_s needs tokens >= 0 and a positive finite load time "
+                         f"(got {tokens!r}, {load_s_per_token!r})")
+    p_eff = reuse_probability(hits, age_steps, observed_hit_rate, c)
+    return p_eff * (tokens * load_s_per_token + c.t_sched_s)
+
+
 def offload_cost_s(n_groups: int, shards_per_group: int, local_experts: int, top_k: int,
                    decode_budget_min: int, c: Coefficients) -> float:
     """Eq. 3: C_e(n_cand) = min(n_cand, E) * c_eff * w.

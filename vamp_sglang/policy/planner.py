@@ -30,10 +30,11 @@ from vamp_sglang.policy.costs import (
     Coefficients,
     cached_block_cost_s,
     combined_cost_s,
+    host_copy_block_cost_s,
     offload_cost_s,
     preempt_cost_s,
 )
-from vamp_sglang.policy.snapshot import Snapshot
+from vamp_sglang.policy.snapshot import EvictableBlock, Snapshot
 
 COST_KEYS = ("evict", "offload", "preempt", "combined")
 # "partial": nothing covers the gap; offload all headroom and evict everything evictable, and the
@@ -113,10 +114,19 @@ class _TreeEviction:
             e = blocks[self.next_index]
             self.next_index += 1
             self.freed += e.tokens
-            # a hybrid node no match can reach (no state below it) costs nothing to drop
-            self.cost_s += cached_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate,
-                                               self.c) if e.lost_tokens else 0.0
+            self.cost_s += block_cost_s(self.s, e, self.c)
         return self.freed >= need_tokens
+
+
+def block_cost_s(s: Snapshot, e: EvictableBlock, c: Coefficients) -> float:
+    """C_c of evicting one candidate: Eq. 2, with the host load in place of the re-prefill when HiCache holds
+    a copy and the load rate is known; a hybrid node no match can reach (no state below it) costs nothing."""
+    if not e.lost_tokens:
+        return 0.0
+    if e.host_copy and s.host_load_us_per_token is not None:
+        return host_copy_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate,
+                                      s.host_load_us_per_token / 1e6, c)
+    return cached_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate, c)
 
 
 def _evict_cover(s: Snapshot, c: Coefficients, need_tokens: int) -> float | None:

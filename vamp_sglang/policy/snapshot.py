@@ -7,13 +7,14 @@ rules as one parsed from a file, and every error names the offending field by it
 
     {"site": "prefill" | "decode", "gap_tokens": int, "free_tokens": int,
      "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float,
-                    "reprefill_tokens": int}, ...],                 # reprefill_tokens: optional
+                    "reprefill_tokens": int, "host_copy": bool}, ...],  # both optional
      "offload": {"headroom_groups": int, "tokens_by_groups": [int, ...], "shards_per_group": int,
                  "local_experts": int, "top_k": int, "decode_budget_min": int},
      "preempt": [{"partial_tokens": int, "tokens": int, "decode_tokens": int}, ...],
      "retract_buffer_tokens": int,
      "observed_hit_rate": float,
      "tpot_guard_groups": int,                                 # optional: --vamp-tpot-slo-ms is on
+     "host_load_us_per_token": float,                          # optional: HiCache on (rank-agreed)
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
@@ -30,6 +31,9 @@ last request is always kept): `tokens` is what retracting one frees at once (its
 cache-protected prefix), `partial_tokens` what it must re-prefill when it returns, `decode_tokens`
 what its next decode step would have allocated. After each retraction SGLang evicts until
 `retract_buffer_tokens` per remaining request are free (`release_req`), which the planner prices.
+`host_copy` (HiCache): the node has a valid host copy, so its eviction costs a later load of `tokens` at
+`host_load_us_per_token` (the measured host-to-device rate, agreed over TP ranks) instead of a re-prefill
+(costs.host_copy_block_cost_s). HiCache agrees its write-backs over the TP group, so ranks see the same copies.
 `tpot_guard_groups` is the most groups the TPOT guard lets this decision offload (policy/tpot_guard).
 """
 
@@ -57,6 +61,7 @@ class EvictableBlock:
     age_steps: int  # scheduler steps since its last use
     prior_hit_rate: float  # r_hit prior of Eq. 1 the tree uses for this node (writer's rate or tree-wide)
     reprefill_tokens: int | None = None  # hybrid: tokens whose reuse its eviction ends (None: `tokens`)
+    host_copy: bool = False  # HiCache holds a valid host copy: a later hit loads it instead of re-prefilling
 
     @property
     def lost_tokens(self) -> int:
@@ -93,6 +98,7 @@ class Snapshot:
     observed_hit_rate: float
     coefficients: Mapping[str, float | int] = field(default_factory=dict)
     tpot_guard_groups: int | None = None  # the TPOT guard's cap on groups to offload; None: no guard
+    host_load_us_per_token: float | None = None  # HiCache: agreed host-to-device load time; None: no host tier
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
@@ -117,15 +123,16 @@ class Snapshot:
 
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
-        top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups"))
+        top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups",
+                                                             "host_load_us_per_token"))
         offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
         offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
             site=top["site"],
             gap_tokens=top["gap_tokens"],
             free_tokens=top["free_tokens"],
-            evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)[:-1],
-                                                     optional=("reprefill_tokens",)))
+            evictable=tuple(EvictableBlock(**_fields(e, f"snapshot.evictable[{i}]", _names(EvictableBlock)[:-2],
+                                                     optional=("reprefill_tokens", "host_copy")))
                             for i, e in enumerate(_list(top["evictable"], "snapshot.evictable"))),
             offload=OffloadState(**offload),
             preempt=tuple(PreemptCandidate(**_fields(p, f"snapshot.preempt[{i}]", _names(PreemptCandidate)))
@@ -135,6 +142,7 @@ class Snapshot:
             coefficients=dict(_fields(top.get("coefficients", {}), "snapshot.coefficients", (),
                                       optional=COEFFICIENT_NAMES)),
             tpot_guard_groups=top.get("tpot_guard_groups"),
+            host_load_us_per_token=top.get("host_load_us_per_token"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -142,7 +150,8 @@ class Snapshot:
         offload["tokens_by_groups"] = list(self.offload.tokens_by_groups)
         d = {"site": self.site, "gap_tokens": self.gap_tokens, "free_tokens": self.free_tokens,
              "evictable": [{k: v for k, v in dataclasses.asdict(e).items()
-                            if not (k == "reprefill_tokens" and v is None)} for e in self.evictable],
+                            if not (k == "reprefill_tokens" and v is None) and not (k == "host_copy" and not v)}
+                           for e in self.evictable],
              "offload": offload,
              "preempt": [dataclasses.asdict(p) for p in self.preempt],
              "retract_buffer_tokens": self.retract_buffer_tokens,
@@ -151,6 +160,8 @@ class Snapshot:
             d["coefficients"] = dict(self.coefficients)
         if self.tpot_guard_groups is not None:
             d["tpot_guard_groups"] = self.tpot_guard_groups
+        if self.host_load_us_per_token is not None:
+            d["host_load_us_per_token"] = self.host_load_us_per_token
         return d
 
 
@@ -207,6 +218,8 @@ def _validate(s: Snapshot) -> None:
         _rate(e.prior_hit_rate, f"snapshot.evictable[{i}].prior_hit_rate")
         if e.reprefill_tokens is not None:
             _int(e.reprefill_tokens, f"snapshot.evictable[{i}].reprefill_tokens", 0)
+        if not isinstance(e.host_copy, bool):
+            raise SnapshotError(f"snapshot.evictable[{i}].host_copy must be true or false (got {e.host_copy!r})")
     o = s.offload
     _int(o.headroom_groups, "snapshot.offload.headroom_groups", 0)
     if len(o.tokens_by_groups) != o.headroom_groups:
@@ -231,6 +244,10 @@ def _validate(s: Snapshot) -> None:
     _rate(s.observed_hit_rate, "snapshot.observed_hit_rate")
     if s.tpot_guard_groups is not None:
         _int(s.tpot_guard_groups, "snapshot.tpot_guard_groups", 0)
+    if s.host_load_us_per_token is not None and not (_is_number(s.host_load_us_per_token)
+                                                     and s.host_load_us_per_token > 0):
+        raise SnapshotError(f"snapshot.host_load_us_per_token must be a positive number "
+                            f"(got {s.host_load_us_per_token!r})")
     _validate_coefficients(s.coefficients)
 
 
