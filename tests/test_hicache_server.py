@@ -1,10 +1,15 @@
 """Through the real CPU server with HiCache (issue 22): a prefix pushed out of the device pool comes back from
-the host pool (`meta_info.cached_tokens_details.host`), with the same greedy text as its first run.
+the host pool (`meta_info.cached_tokens_details.host`), with the same greedy text as its first run, HiCache alone
+and with VAMP on.
 
-One module, servers started one after another (under /tmp/vamp-server.lock), each on a 1024-token device pool
-with `--hicache-ratio 2` and the `direct` io backend: HiCache with write-through and with write-back at
-VAMP off. Every server gets the same requests: prompt A, then B and C (together longer than the pool, so A's
-device copy is evicted; all three fit the 2048-token host pool), then A again.
+One module, servers started one after another (under /tmp/vamp-server.lock), each on a 1024-token start-up
+device pool with the `direct` io backend, write-through and write-back. Every server gets prompt A, then B and C
+(together longer than the device pool, so A's device copy is evicted; all three fit the host pool), then A again.
+- HiCache alone (VAMP off): 450-token prompts, `--hicache-ratio 2` (2048 host tokens).
+- VAMP + HiCache: one expert group of the tiny model's 16 offloaded at start (`--vamp-initial-offload-ratio`
+  equal to the maximum, so no headroom is left): the pool grows to 5120 tokens, and 2000-token prompts need an
+  eviction decision at C; `--hicache-ratio 8` (8192 host tokens). The decision log records which candidates
+  had a host copy (all of them under write-through, whose copies exist before the eviction).
 """
 
 import json
@@ -13,48 +18,83 @@ from pathlib import Path
 
 import pytest
 
-from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, post_json
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
 pytestmark = [pytest.mark.server, pytest.mark.long]
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
-POOL_TOKENS, PROMPT_TOKENS, NEW_TOKENS = 1024, 450, 8
-HICACHE = ("--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct")
-RUNS = {
-    "hicache": ("--vamp-max-offload-ratio", "0", *HICACHE),
-    "hicache-wb": ("--vamp-max-offload-ratio", "0", *HICACHE, "--hicache-write-policy", "write_back"),
+POOL_TOKENS, NEW_TOKENS = 1024, 8
+HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct")
+WRITE_BACK = ("--hicache-write-policy", "write_back")
+VAMP = ("--vamp-max-offload-ratio", "0.0625", "--vamp-initial-offload-ratio", "0.0625",
+        "--vamp-restore-after-steps", "0")
+OFF = ("--vamp-max-offload-ratio", "0")
+RUNS = {  # name -> (flags, prompt tokens)
+    "hicache": ((*OFF, *HICACHE, "--hicache-ratio", "2"), 450),
+    "hicache-wb": ((*OFF, *HICACHE, "--hicache-ratio", "2", *WRITE_BACK), 450),
+    "vamp-hicache": ((*VAMP, *HICACHE, "--hicache-ratio", "8"), 2000),
+    "vamp-hicache-wb": ((*VAMP, *HICACHE, "--hicache-ratio", "8", *WRITE_BACK), 2000),
 }
+VAMP_RUNS = ["vamp-hicache", "vamp-hicache-wb"]
 
 
-def _prompts(vocab_size):
+def _prompts(vocab_size, tokens):
     rng = random.Random(22)
     firsts = rng.sample(range(10, vocab_size), 3)
-    return [[first] + [rng.randrange(10, vocab_size) for _ in range(PROMPT_TOKENS - 1)] for first in firsts]
+    return [[first] + [rng.randrange(10, vocab_size) for _ in range(tokens - 1)] for first in firsts]
 
 
-def _serve(setup, name, prompts):
+def _serve(setup, name, vocab_size, log_dir):
+    flags, tokens = RUNS[name]
+    log = log_dir / f"{name}.jsonl"
+    if name in VAMP_RUNS:
+        flags = (*flags, "--vamp-decision-log", str(log))
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    a, b, c = prompts
-    with Server(setup, ServerConfig(name, RUNS[name])) as server:
+    a, b, c = _prompts(vocab_size, tokens)
+    with Server(setup, ServerConfig(name, flags)) as server:
         out = [post_json(f"{server.url}/generate", {"input_ids": p, "sampling_params": greedy}) for p in (a, b, c, a)]
-    return [(r["output_ids"], r["meta_info"].get("cached_tokens", 0), r["meta_info"].get("cached_tokens_details"))
-            for r in out]
+        stats = get_json(f"{server.url}/vamp/stats")
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    return ([(r["output_ids"], r["meta_info"].get("cached_tokens", 0), r["meta_info"].get("cached_tokens_details"))
+             for r in out], stats, records)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     model = ensure_tiny_model(MODEL)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")),
+    log_dir = tmp_path_factory.mktemp("logs")
+    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(log_dir),
                         extra_flags=("--enable-cache-report",))
-    prompts = _prompts(vocab_size)
-    return {name: _serve(setup, name, prompts) for name in RUNS}
+    return {name: _serve(setup, name, vocab_size, log_dir) for name in RUNS}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_prefix_pushed_out_of_the_device_pool_comes_back_from_host(runs, name):
-    first, *_, again = runs[name]
+    (first, *_, again), stats, _ = runs[name]
+    tokens = RUNS[name][1]
     assert first[1] == 0
     details = again[2] or {}
-    assert details.get("host", 0) >= PROMPT_TOKENS - 64, f"{name}: {again[1]} cached, details {details}"
+    assert details.get("host", 0) >= tokens - 64, f"{name}: {again[1]} cached, details {details}"
     assert again[0] == first[0], f"{name}: greedy text changed after the host load"
+    tier = stats["hicache"]
+    assert tier["host_hit_tokens"] >= details["host"] and tier["load_us_per_token"] > 0
+    assert tier["host_pool_bytes"] > 0
+
+
+@pytest.mark.parametrize("name", VAMP_RUNS)
+def test_vamp_grew_the_pool_evicted_and_reports_both_host_sizes(runs, name):
+    _, stats, records = runs[name]
+    assert stats["kv_pool"]["tokens"] > POOL_TOKENS and stats["experts"]["offloaded_groups"] == 1
+    assert stats["hicache"]["expert_host_bytes"] > 0
+    assert stats["decisions"]["evict"] >= 1
+    snapshots = [r["snapshot"] for r in records if r.get("snapshot", {}).get("evictable")]
+    assert snapshots and all(s.get("host_load_us_per_token", 0) > 0 for s in snapshots)
+
+
+def test_write_through_candidates_have_host_copies_write_back_ones_not_yet(runs):
+    def copies(name):
+        return [e.get("host_copy", False) for r in runs[name][2] for e in r.get("snapshot", {}).get("evictable", [])]
+
+    assert copies("vamp-hicache") and all(copies("vamp-hicache"))
+    assert copies("vamp-hicache-wb") and not any(copies("vamp-hicache-wb"))
