@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=_number(int, 1, False), help="SGLang --max-total-tokens")
     p.add_argument("--kv-pool-gib", type=_number(float, 0, True),
                    help="a measured start-up KV pool per GPU (GiB) instead of the estimate")
+    p.add_argument("--hicache-gib", type=_number(float, 0, True),
+                   help="HiCache host KV pool per GPU (GiB): adds host tokens and the host link's two costs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -92,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelConfigError, GeometryError, LayoutError, CapacityError, OSError, ValueError) as exc:
         parser.error(str(exc))
     report = build_report(name, model, args.ratios, args.trace, sessions)
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if args.hicache_gib is not None:
+        from vamp_sglang.capacity.hicache import format_hicache, hicache_report
+
+        report["hicache"] = hicache_report(model, args.ratios, args.hicache_gib)
+    text = format_table(report) + ("\n".join(["", *format_hicache(report["hicache"])]) if "hicache" in report else "")
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0
 
 
