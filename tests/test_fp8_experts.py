@@ -193,3 +193,21 @@ def test_the_cpu_op_refuses_layouts_it_does_not_answer():
     with pytest.raises(cpu_fp8.Fp8CpuError, match="block-quantised FP8 only"):
         cpu_fp8.fused_experts(torch.zeros(1, 128), w, w, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32),
                               False, 0, None, None, None, None, None, None, None, None, None, True, "silu")
+
+
+def test_deepseeks_fp8_shared_expert_tail_is_the_unquantised_paths_arithmetic(fp8_moe):
+    """`shared_expert_cpu` (DeepSeek's CPU MoE tail once its shared expert is FP8) against SGLang's own
+    bf16 DeepseekV2MLP on the exactly dequantised weights, with the routed output scaled first as the
+    unquantised CPU path does: bit for bit."""
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MLP
+
+    g = torch.Generator().manual_seed(5)
+    q1, s1 = quantise(torch.randn(2 * I, H, generator=g) * 0.1)
+    q2, s2 = quantise(torch.randn(H, I, generator=g) * 0.1)
+    mlp = DeepseekV2MLP(H, I, "silu", reduce_results=False).to(torch.bfloat16)
+    mlp.gate_up_proj.weight.data.copy_(dequantise(q1, s1, torch.bfloat16))
+    mlp.down_proj.weight.data.copy_(dequantise(q2, s2, torch.bfloat16))
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    routed = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    out = cpu_fp8.shared_expert(x, q1, q2, routed, 2.5, True, False, True, s1, s2, [128, 128], True)
+    assert torch.equal(out, routed * 2.5 + mlp(x))

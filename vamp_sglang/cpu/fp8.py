@@ -8,8 +8,9 @@ only those pieces:
   path), fp8's `_is_cpu_amx_available` reads True and `_amx_process_weight_after_loading` just sets
   `layer.use_intel_amx_backend` (no VNNI packing: the weights stay in the checkpoint's layout, which is
   what VAMP pages). A global `cpu_has_amx_support()` would send every unquantised layer to AMX ops;
-- `sgl_kernel::fp8_scaled_mm_cpu` (called at fp8.py:1402) and `sgl_kernel::fused_experts_cpu` with
-  `CPUQuantMethod.FP8_W8A16` (fp8.py:3117), registered as torch custom ops: dequantise each 128x128
+- `sgl_kernel::fp8_scaled_mm_cpu` (called at fp8.py:1402), `sgl_kernel::fused_experts_cpu` with
+  `CPUQuantMethod.FP8_W8A16` (fp8.py:3117) and DeepSeek's `sgl_kernel::shared_expert_cpu` (taken once its
+  shared expert is marked, models/deepseek_v2.py:1311), registered as torch custom ops: dequantise each 128x128
   block (W8A16: activations stay bf16), then the matmuls SGLang's unquantised CPU path runs
   (`F.linear`, unquant.py:537; `moe_forward_native`, layers/moe/fused_moe_native.py:61), expert by
   expert, so a model and its exact bf16 dequantisation give the same tokens.
@@ -75,13 +76,32 @@ def fused_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
     return moe_forward_native(layer, hidden_states, (topk_weights, topk_ids, None), config)
 
 
+def shared_expert(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, fused_experts_out: torch.Tensor,
+                  routed_scaling_factor: float, inplace: bool, use_int8_w8a8: bool, use_fp8_w8a16: bool,
+                  w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, block_size: list[int] | None,
+                  is_vnni: bool) -> torch.Tensor:
+    """DeepSeek's CPU MoE tail (models/deepseek_v2.py:1486, taken once its shared expert is FP8 here):
+    routed x routed_scaling_factor + the shared expert, in the order the unquantised CPU path runs them
+    (`final *= routed_scaling_factor`, deepseek_v2.py:1422, then the shared output added)."""
+    from sglang.srt.layers.activation import SiluAndMul
+
+    if not use_fp8_w8a16 or use_int8_w8a8 or w1_scale is None or w2_scale is None or not block_size:
+        raise Fp8CpuError("vamp CPU shared_expert_cpu answers a block-quantised FP8 shared expert only")
+    block = (int(block_size[0]), int(block_size[1]))
+    dtype = hidden_states.dtype
+    gate_up = torch.nn.functional.linear(hidden_states, dequantise(w1, w1_scale, dtype, block))
+    shared = torch.nn.functional.linear(SiluAndMul().forward_native(gate_up), dequantise(w2, w2_scale, dtype, block))
+    return fused_experts_out * routed_scaling_factor + shared
+
+
 @functools.cache
 def register_ops() -> None:
-    """`torch.ops.sgl_kernel.fp8_scaled_mm_cpu` and `.fused_experts_cpu`, once per process. The shim
+    """`torch.ops.sgl_kernel.fp8_scaled_mm_cpu`, `.fused_experts_cpu` and `.shared_expert_cpu`, once per process. The shim
     registers no op, so `convert_weight_packed` stays absent and SGLang keeps AMX off elsewhere
     (utils/common.py:354-358)."""
     torch.library.custom_op("sgl_kernel::fp8_scaled_mm_cpu", mutates_args=(), device_types="cpu")(fp8_scaled_mm)
     torch.library.custom_op("sgl_kernel::fused_experts_cpu", mutates_args=(), device_types="cpu")(fused_experts)
+    torch.library.custom_op("sgl_kernel::shared_expert_cpu", mutates_args=(), device_types="cpu")(shared_expert)
 
 
 def _use_cpu_ops(module: torch.nn.Module, weight_names: list[str], *args, **kwargs) -> None:
