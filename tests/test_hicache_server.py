@@ -10,10 +10,15 @@ device pool with the `direct` io backend, write-through and write-back. Every se
   equal to the maximum, so no headroom is left): the pool grows to 5120 tokens, and 2000-token prompts need an
   eviction decision at C; `--hicache-ratio 8` (8192 host tokens). The decision log records which candidates
   had a host copy (all of them under write-through, whose copies exist before the eviction).
+- VAMP + HiCache at TP 2: one group of a rank's 64 experts (ratio 0.125) grows the pool to 9216 tokens, so
+  3500-token prompts with `--hicache-ratio 12`; both ranks log the same decisions, with the same host copies and
+  the same agreed load rate although each measured its own.
 """
 
+import dataclasses
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -29,13 +34,16 @@ WRITE_BACK = ("--hicache-write-policy", "write_back")
 VAMP = ("--vamp-max-offload-ratio", "0.0625", "--vamp-initial-offload-ratio", "0.0625",
         "--vamp-restore-after-steps", "0")
 OFF = ("--vamp-max-offload-ratio", "0")
-RUNS = {  # name -> (flags, prompt tokens)
-    "hicache": ((*OFF, *HICACHE, "--hicache-ratio", "2"), 450),
-    "hicache-wb": ((*OFF, *HICACHE, "--hicache-ratio", "2", *WRITE_BACK), 450),
-    "vamp-hicache": ((*VAMP, *HICACHE, "--hicache-ratio", "8"), 2000),
-    "vamp-hicache-wb": ((*VAMP, *HICACHE, "--hicache-ratio", "8", *WRITE_BACK), 2000),
+VAMP_TP2 = ("--vamp-max-offload-ratio", "0.125", "--vamp-initial-offload-ratio", "0.125",
+            "--vamp-restore-after-steps", "0")
+RUNS = {  # name -> (flags, prompt tokens, TP size)
+    "hicache": ((*OFF, *HICACHE, "--hicache-ratio", "2"), 450, 1),
+    "hicache-wb": ((*OFF, *HICACHE, "--hicache-ratio", "2", *WRITE_BACK), 450, 1),
+    "vamp-hicache": ((*VAMP, *HICACHE, "--hicache-ratio", "8"), 2000, 1),
+    "vamp-hicache-wb": ((*VAMP, *HICACHE, "--hicache-ratio", "8", *WRITE_BACK), 2000, 1),
+    "vamp-hicache-tp2": ((*VAMP_TP2, *HICACHE, "--hicache-ratio", "12"), 3500, 2),
 }
-VAMP_RUNS = ["vamp-hicache", "vamp-hicache-wb"]
+VAMP_RUNS = ["vamp-hicache", "vamp-hicache-wb", "vamp-hicache-tp2"]
 
 
 def _prompts(vocab_size, tokens):
@@ -44,19 +52,35 @@ def _prompts(vocab_size, tokens):
     return [[first] + [rng.randrange(10, vocab_size) for _ in range(tokens - 1)] for first in firsts]
 
 
+def _grown(server):
+    """At TP 2 the start-up offload waits for the ranks' first agreement rounds: tiny requests until it is in."""
+    for _ in range(60):
+        if get_json(f"{server.url}/vamp/stats")["kv_pool"]["tokens"] > POOL_TOKENS:
+            return
+        post_json(f"{server.url}/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+        time.sleep(1)
+
+
 def _serve(setup, name, vocab_size, log_dir):
-    flags, tokens = RUNS[name]
+    flags, tokens, tp = RUNS[name]
+    setup = dataclasses.replace(setup, tp_size=tp)
     log = log_dir / f"{name}.jsonl"
     if name in VAMP_RUNS:
         flags = (*flags, "--vamp-decision-log", str(log))
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     a, b, c = _prompts(vocab_size, tokens)
     with Server(setup, ServerConfig(name, flags)) as server:
+        if name in VAMP_RUNS:
+            _grown(server)
         out = [post_json(f"{server.url}/generate", {"input_ids": p, "sampling_params": greedy}) for p in (a, b, c, a)]
         stats = get_json(f"{server.url}/vamp/stats")
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    records = _records(log)
     return ([(r["output_ids"], r["meta_info"].get("cached_tokens", 0), r["meta_info"].get("cached_tokens_details"))
              for r in out], stats, records)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +90,9 @@ def runs(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("logs")
     setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(log_dir),
                         extra_flags=("--enable-cache-report",))
-    return {name: _serve(setup, name, vocab_size, log_dir) for name in RUNS}
+    runs = {name: _serve(setup, name, vocab_size, log_dir) for name in RUNS}
+    runs["tp2-rank1"] = _records(log_dir / "vamp-hicache-tp2.jsonl.rank1")
+    return runs
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -98,3 +124,10 @@ def test_write_through_candidates_have_host_copies_write_back_ones_not_yet(runs)
 
     assert copies("vamp-hicache") and all(copies("vamp-hicache"))
     assert copies("vamp-hicache-wb") and not any(copies("vamp-hicache-wb"))
+
+
+def test_both_tp2_ranks_decide_alike_with_the_same_host_copies_and_load_rate(runs):
+    rank0, rank1 = runs["vamp-hicache-tp2"][2], runs["tp2-rank1"]
+    assert rank0 and [r["snapshot"] for r in rank0] == [r["snapshot"] for r in rank1]
+    assert [r["plan"] for r in rank0] == [r["plan"] for r in rank1]
+    assert any(e.get("host_copy") for r in rank0 for e in r["snapshot"]["evictable"])
