@@ -119,3 +119,18 @@ def test_tp_ranks_price_the_agreed_minimum_re_agreed_every_256_steps():
 def test_a_missed_round_prices_evictions_as_re_prefills():
     inputs, _ = _inputs(_Rounds(True, missed=True))
     assert inputs.host_load_us_per_token(_tier(0.5)) is None
+
+
+def test_under_write_back_an_eviction_without_a_copy_costs_the_write_then_the_load():
+    import dataclasses
+
+    s = dataclasses.replace(_snapshot(False), host_write_back=True)
+    write = 2000 * LOAD_S
+    assert plan(s, C).costs["evict"] == pytest.approx(write + host_copy_block_cost_s(2000, 3, 10, 0.5, LOAD_S, C))
+    assert plan(dataclasses.replace(_snapshot(True), host_write_back=True), C).costs["evict"] == pytest.approx(
+        plan(_snapshot(True), C).costs["evict"])  # a copy that exists is not written again
+    assert Snapshot.from_json(json.loads(json.dumps(s.to_json()))) == s and s.to_json()["host_write_back"] is True
+    d = s.to_json()
+    d["host_write_back"] = "yes"
+    with pytest.raises(SnapshotError, match="snapshot.host_write_back"):
+        Snapshot.from_json(d)

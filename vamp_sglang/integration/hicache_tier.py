@@ -55,6 +55,7 @@ class HostTier:
         self.bytes_per_token = int(host_pool.size_per_token)
         self.host_pool_tokens = int(host_pool.size)
         self.host_pool_bytes = self.host_pool_tokens * self.bytes_per_token
+        self.write_back = False  # HiCache's --hicache-write-policy write_back (set at setup)
         self.expert_host_bytes = int(expert_host_bytes)
         self.load_s_per_token: float | None = None
         self.loaded_tokens = 0
@@ -125,6 +126,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     memory = getattr(runtime, "expert_memory", None)
     expert_bytes = host_copy_bytes(memory.layout) if memory is not None and memory.layout.bound_groups else 0
     tier = HostTier(host_pool, expert_bytes)
+    tier.write_back = scheduler.tree_cache.cache_controller.write_policy == "write_back"
     check_host_budget(expert_bytes, tier.host_pool_bytes, available_host_memory_bytes(allow_cgroup_fallback=True))
     tier.probe(torch.device(getattr(scheduler.token_to_kv_pool_allocator, "device", "cpu")))
     cpu_hicache.LOAD_OBSERVERS[:] = [tier.observe_load]

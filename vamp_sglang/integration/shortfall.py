@@ -91,6 +91,7 @@ class DecisionMaker:
             coefficients=coeffs.as_overrides(),
             tpot_guard_groups=self.inputs.guard_cap_groups(),
             host_load_us_per_token=self.inputs.host_load_us_per_token(hicache_tier.current()),
+            host_write_back=bool(getattr(hicache_tier.current(), "write_back", False)),
         )
 
     def offload_state(self, gains_by_groups: tuple[int, ...], batch: Any) -> OffloadState:

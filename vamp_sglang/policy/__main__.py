@@ -68,7 +68,9 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
     if s.host_load_us_per_token is not None:
         copies = sum(e.host_copy for e in s.evictable)
         rows.append(f"HiCache host copy: {copies} of {len(s.evictable)} candidates, priced at the load "
-                    f"({s.host_load_us_per_token:g} us/token) in place of the re-prefill")
+                    f"({s.host_load_us_per_token:g} us/token) in place of the re-prefill"
+                    + ("; write-back: the others pay the write of their copy, then the same" if s.host_write_back
+                       else ""))
     rows += ["", f"  {'action':<10} {'cost_s':>12}"]
     for key in COST_KEYS:
         cost = p.costs[key]

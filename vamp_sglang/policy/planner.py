@@ -123,9 +123,10 @@ def block_cost_s(s: Snapshot, e: EvictableBlock, c: Coefficients) -> float:
     a copy and the load rate is known; a hybrid node no match can reach (no state below it) costs nothing."""
     if not e.lost_tokens:
         return 0.0
-    if e.host_copy and s.host_load_us_per_token is not None:
-        return host_copy_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate,
-                                      s.host_load_us_per_token / 1e6, c)
+    if s.host_load_us_per_token is not None and (e.host_copy or s.host_write_back):
+        load_s = s.host_load_us_per_token / 1e6
+        write_s = 0.0 if e.host_copy else e.tokens * load_s  # write-back: the copy is written before the eviction
+        return write_s + host_copy_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate, load_s, c)
     return cached_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate, c)
 
 

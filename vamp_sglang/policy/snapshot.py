@@ -15,6 +15,7 @@ rules as one parsed from a file, and every error names the offending field by it
      "observed_hit_rate": float,
      "tpot_guard_groups": int,                                 # optional: --vamp-tpot-slo-ms is on
      "host_load_us_per_token": float,                          # optional: HiCache on (rank-agreed)
+     "host_write_back": bool,                                  # optional: HiCache's write-back policy
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
@@ -33,7 +34,9 @@ what its next decode step would have allocated. After each retraction SGLang evi
 `retract_buffer_tokens` per remaining request are free (`release_req`), which the planner prices.
 `host_copy` (HiCache): the node has a valid host copy, so its eviction costs a later load of `tokens` at
 `host_load_us_per_token` (the measured host-to-device rate, agreed over TP ranks) instead of a re-prefill
-(costs.host_copy_block_cost_s). HiCache agrees its write-backs over the TP group, so ranks see the same copies.
+(costs.host_copy_block_cost_s). `host_write_back` (HiCache's write-back policy): evicting a node without a copy
+writes one first, so it costs that write (its tokens at the same per-token rate) plus the host-copy price.
+HiCache agrees its write-backs over the TP group, so ranks see the same copies.
 `tpot_guard_groups` is the most groups the TPOT guard lets this decision offload (policy/tpot_guard).
 """
 
@@ -99,6 +102,7 @@ class Snapshot:
     coefficients: Mapping[str, float | int] = field(default_factory=dict)
     tpot_guard_groups: int | None = None  # the TPOT guard's cap on groups to offload; None: no guard
     host_load_us_per_token: float | None = None  # HiCache: agreed host-to-device load time; None: no host tier
+    host_write_back: bool = False  # HiCache's write-back policy: an eviction writes the host copy first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
@@ -124,7 +128,7 @@ class Snapshot:
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
         top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups",
-                                                             "host_load_us_per_token"))
+                                                             "host_load_us_per_token", "host_write_back"))
         offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
         offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
@@ -143,6 +147,7 @@ class Snapshot:
                                       optional=COEFFICIENT_NAMES)),
             tpot_guard_groups=top.get("tpot_guard_groups"),
             host_load_us_per_token=top.get("host_load_us_per_token"),
+            host_write_back=top.get("host_write_back", False),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -162,6 +167,8 @@ class Snapshot:
             d["tpot_guard_groups"] = self.tpot_guard_groups
         if self.host_load_us_per_token is not None:
             d["host_load_us_per_token"] = self.host_load_us_per_token
+        if self.host_write_back:
+            d["host_write_back"] = True
         return d
 
 
@@ -248,6 +255,8 @@ def _validate(s: Snapshot) -> None:
                                                      and s.host_load_us_per_token > 0):
         raise SnapshotError(f"snapshot.host_load_us_per_token must be a positive number "
                             f"(got {s.host_load_us_per_token!r})")
+    if not isinstance(s.host_write_back, bool):
+        raise SnapshotError(f"snapshot.host_write_back must be true or false (got {s.host_write_back!r})")
     _validate_coefficients(s.coefficients)
 
 
