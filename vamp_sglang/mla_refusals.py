@@ -15,8 +15,8 @@ with VAMP on. Whatever slips past these (a pool SGLang picks by itself) is refus
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from vamp_sglang.local_config import local_model_config
 
 SCALED_KV_DTYPES = ("nvfp4", "fp4_mx_block16", "mxfp8")
 # SGLang's is_deepseek_dsa architectures (configs/model_config.py:191-210), when the config has index_topk
@@ -34,10 +34,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def is_dsa(model_path: str | None) -> bool:
     """A local checkpoint SGLang serves with DSA's indexer cache (a hub name without config.json: False)."""
-    config_path = Path(model_path) / "config.json" if model_path else None
-    if config_path is None or not config_path.is_file():
-        return False
-    config = json.loads(config_path.read_text())
+    config = local_model_config(model_path)
     text = config.get("text_config") or config  # a multimodal wrapper keeps the language model's fields
     return bool(set(config.get("architectures") or ()) & set(DSA_ARCHITECTURES)) and (
         text.get("index_topk") is not None)

@@ -23,10 +23,11 @@ processes inherit it.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+
+from vamp_sglang.local_config import local_model_config
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"  # holds the stand-in `sgl_kernel` package
 MISSING_NCCL_PATH = str(SHIM_DIR / "no-nccl-in-cpu-mode" / "libnccl.so.2")  # never created
@@ -81,15 +82,8 @@ def cpu_server_defaults(model_path: str | None = None) -> list[str]:
       a `quantization_config`) gets `bfloat16`: FP8 takes bf16/fp16 activations only
       (quantization/fp8.py:326, checked by model_loader/loader.py:266).
     """
-    dtype = "bfloat16" if _is_quantised(model_path) else "float32"
-    return ["--attention-backend", "torch_native", "--sleep-on-idle", "--dtype", dtype]
-
-
-def _is_quantised(model_path: str | None) -> bool:
-    config = Path(model_path) / "config.json" if model_path else None
-    if config is None or not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("quantization_config") is not None
+    quantised = local_model_config(model_path).get("quantization_config") is not None
+    return ["--attention-backend", "torch_native", "--sleep-on-idle", "--dtype", "bfloat16" if quantised else "float32"]
 
 
 __all__ = ["SHIM_DIR", "cpu_environment", "cpu_server_defaults", "in_cpu_mode"]

@@ -15,9 +15,9 @@ not hybrid). For such a model with `--device cpu` the launcher adds, unless the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
+
+from vamp_sglang.local_config import local_model_config
 
 HYBRID_MODEL_TYPES = ("qwen3_next",)
 MAMBA_SLOTS = 64
@@ -25,12 +25,7 @@ MAMBA_SLOTS = 64
 
 def is_hybrid_linear(model_path: str | None) -> bool:
     """True when model_path is a local checkpoint whose config has linear-attention layers."""
-    if not model_path:
-        return False
-    config_path = Path(model_path) / "config.json"
-    if not config_path.is_file():
-        return False
-    config = json.loads(config_path.read_text())
+    config = local_model_config(model_path)
     return (config.get("model_type") in HYBRID_MODEL_TYPES
             or "linear_attention" in (config.get("layer_types") or ()))
 
