@@ -16,7 +16,7 @@ from eval.bench import BenchSpec, run_bench
 from eval.multiturn import MultiTurnSpec
 from eval.replay import ReplayOptions
 from eval.runners import BASELINE, TINY_MODEL, vamp
-from eval.servers import Server, ServerSetup, ensure_tiny_model
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
 
 
 def _s(value: float | None, scale: float = 1.0, unit: str = "") -> str:
@@ -50,13 +50,13 @@ ROWS = (
 )
 
 
-def table(names: list[str], results: list[dict]) -> str:
-    width = max(len(label) for label, _ in ROWS) + 2
-    cols = [[fmt(r) for r in results] for _, fmt in ROWS]
+def table(names: list[str], results: list[dict], rows: tuple = ROWS) -> str:
+    width = max(len(label) for label, _ in rows) + 2
+    cols = [[fmt(r) for r in results] for _, fmt in rows]
     col_w = [max(len(n), *(len(c[i]) for c in cols)) + 2 for i, n in enumerate(names)]
     lines = ["".ljust(width) + "".join(n.rjust(w) for n, w in zip(names, col_w))]
     lines += [label.ljust(width) + "".join(v.rjust(w) for v, w in zip(values, col_w))
-              for (label, _), values in zip(ROWS, cols)]
+              for (label, _), values in zip(rows, cols)]
     same = len({r["outputs_digest"] for r in results}) == 1
     lines.append(f"greedy outputs identical: {'yes' if same else 'NO'} "
                  f"({', '.join(r['outputs_digest'] for r in results)})")
@@ -80,6 +80,18 @@ def demo_spec(args: argparse.Namespace) -> BenchSpec:
         block_tokens=32).validate())
 
 
+def serve_each(setup: ServerSetup, spec: BenchSpec, configs: list[ServerConfig], out_dir: Path) -> list[dict]:
+    """The same run against one server per configuration, in turn; each result is also saved as JSON."""
+    results = []
+    for config in configs:
+        print(f"--- {config.name}: starting server ({' '.join(config.flags)})", flush=True)
+        with Server(setup, config) as server:
+            result = asyncio.run(run_bench(spec, ReplayOptions(server.url)))
+        (out_dir / f"{config.name}.json").write_text(json.dumps(result, indent=1))
+        results.append(result)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.demo", description=__doc__.splitlines()[0])
     add_demo_args(parser, "results/demo")
@@ -90,15 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = ServerSetup(args.model, args.device, args.max_total_tokens, log_dir=str(out_dir / "logs"))
-    spec = demo_spec(args)
     configs = [BASELINE, vamp(args.ratio)]
-    results = []
-    for config in configs:
-        print(f"--- {config.name}: starting server ({' '.join(config.flags)})", flush=True)
-        with Server(setup, config) as server:
-            result = asyncio.run(run_bench(spec, ReplayOptions(server.url)))
-        (out_dir / f"{config.name}.json").write_text(json.dumps(result, indent=1))
-        results.append(result)
+    results = serve_each(setup, demo_spec(args), configs, out_dir)
     print(f"\n{args.sessions} sessions x {args.turns} turns, baseline pool {args.max_total_tokens} tokens\n")
     print(table([c.name for c in configs], results))
 

@@ -11,15 +11,11 @@ On CPU a host load is a memcpy in the same DRAM, nearly free: docs/hicache.md sa
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 from pathlib import Path
 
 from eval import demo
-from eval.bench import run_bench
-from eval.replay import ReplayOptions
 from eval.runners import BASELINE, TINY_MODEL, vamp
-from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+from eval.servers import ServerConfig, ServerSetup, ensure_tiny_model
 
 
 def _hicache(result: dict, key: str) -> str:
@@ -59,20 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = ServerSetup(args.model, "cpu", args.max_total_tokens, log_dir=str(out_dir / "logs"),
                         extra_flags=("--enable-cache-report",))
-    spec, runs, results = demo.demo_spec(args), configs(args.ratio, args.hicache_ratio), []
-    for config in runs:
-        print(f"--- {config.name}: starting server ({' '.join(config.flags)})", flush=True)
-        with Server(setup, config) as server:
-            result = asyncio.run(run_bench(spec, ReplayOptions(server.url)))
-        (out_dir / f"{config.name}.json").write_text(json.dumps(result, indent=1))
-        results.append(result)
+    runs = configs(args.ratio, args.hicache_ratio)
+    results = demo.serve_each(setup, demo.demo_spec(args), runs, out_dir)
     print(f"\n{args.sessions} sessions x {args.turns} turns, start-up device pool {args.max_total_tokens} tokens, "
           f"host pool {args.hicache_ratio:g}x\n")
-    demo.ROWS, saved = ROWS, demo.ROWS
-    try:
-        print(demo.table([c.name for c in runs], results))
-    finally:
-        demo.ROWS = saved
+    print(demo.table([c.name for c in runs], results, ROWS))
 
 
 if __name__ == "__main__":
