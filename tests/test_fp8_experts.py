@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fp8_moe takes the imported sglang_moe fixture as an argument)
 """FP8 experts (issue 20) on SGLang's own objects, in one process and on real host pages.
 
 Three real `FusedMoE` layers built by SGLang with `Fp8MoEMethod` (block-quantised, 128x128 scales) run
@@ -6,10 +7,9 @@ pages their FP8 weights; offloaded experts are staged (whole region or routed ro
 every output equals the unpaged layers' bit for bit, with the block scales resident throughout.
 """
 
-import socket
-
 import pytest
 import torch
+from test_integration_memory import sglang_moe  # noqa: F401 (the fixture: dist groups for SGLang layers)
 
 from vamp_sglang.block_fp8 import dequantise
 from vamp_sglang.cpu import fp8 as cpu_fp8
@@ -26,20 +26,12 @@ RATIO = 0.5  # bound: 2 of the 4 groups
 
 
 @pytest.fixture(scope="module")
-def fp8_moe():
-    from sglang.srt.distributed.parallel_state import destroy_model_parallel
-    from sglang.test.layer_ut_utils import init_single_process_dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    destroy_model_parallel()
-    init_single_process_dist(master_port=port)
-    cpu_fp8.register_ops()
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+def fp8_moe(sglang_moe):
+    """SGLang's FusedMoE and Fp8Config, over the model-parallel groups `sglang_moe` builds, with our ops."""
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
-    return FusedMoE, Fp8Config
+    cpu_fp8.register_ops()
+    return sglang_moe[0], Fp8Config
 
 
 def make_fp8_layers(fp8_moe, block=(128, 128)):

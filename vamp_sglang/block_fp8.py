@@ -13,8 +13,8 @@ BLOCK = 128  # weight_block_size [128, 128] of the real checkpoints
 
 def dequantise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
-    """q x scale_inv per block, in `dtype` (blocks at the edges may be partial). Whole blocks take a
-    broadcast view, so nothing of the weight's size but the result is allocated."""
+    """q x scale_inv per block, in `dtype` (blocks at the edges may be partial). Whole blocks broadcast
+    the scales instead of expanding them to the weight's size (the float32 copy of q is still made)."""
     rows, cols = q.shape[-2:]
     if rows % block[0] == 0 and cols % block[1] == 0:
         lead = q.shape[:-2]

@@ -96,9 +96,9 @@ def shared_expert(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tenso
 
 @functools.cache
 def register_ops() -> None:
-    """`torch.ops.sgl_kernel.fp8_scaled_mm_cpu`, `.fused_experts_cpu` and `.shared_expert_cpu`, once per process. The shim
-    registers no op, so `convert_weight_packed` stays absent and SGLang keeps AMX off elsewhere
-    (utils/common.py:354-358)."""
+    """`torch.ops.sgl_kernel.fp8_scaled_mm_cpu`, `.fused_experts_cpu` and `.shared_expert_cpu`, once per process.
+    `convert_weight_packed` stays unregistered (the shim's mamba module registers only its two ops), so
+    SGLang keeps AMX off everywhere else (utils/common.py:354-358)."""
     torch.library.custom_op("sgl_kernel::fp8_scaled_mm_cpu", mutates_args=(), device_types="cpu")(fp8_scaled_mm)
     torch.library.custom_op("sgl_kernel::fused_experts_cpu", mutates_args=(), device_types="cpu")(fused_experts)
     torch.library.custom_op("sgl_kernel::shared_expert_cpu", mutates_args=(), device_types="cpu")(shared_expert)
