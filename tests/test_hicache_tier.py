@@ -48,3 +48,45 @@ def test_each_request_s_hits_are_counted_once(monkeypatch):
 def test_without_hicache_there_is_no_tier():
     assert hicache_tier.host_pool_of(SimpleNamespace(cache_controller=None)) is None
     assert hicache_tier.host_pool_of(SimpleNamespace()) is None
+
+
+class _Engine:
+    def __init__(self):
+        self.wait_s = 0.0
+
+    def stats(self):
+        return SimpleNamespace(wait_s=self.wait_s)
+
+
+def _batch(decode, consumer_index=-1, reqs=2, extend_tokens=0):
+    mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode)
+    return SimpleNamespace(forward_mode=mode, hicache_consumer_index=consumer_index, reqs=[object()] * reqs,
+                           extend_num_tokens=extend_tokens)
+
+
+def test_each_forward_s_staging_wait_is_split_by_whether_its_batch_had_a_host_load(monkeypatch):
+    tier = HostTier(_host_pool(), 0)
+    engine = _Engine()
+    tier.expert_memory = SimpleNamespace(experts=SimpleNamespace(engine=engine), offloaded_groups=1)
+    monkeypatch.setattr(hicache_tier, "_tier", tier)
+    loaded, plain = _batch(False, 0, reqs=0, extend_tokens=300), _batch(False, -1, reqs=0, extend_tokens=200)
+    for batch, waited in ((loaded, 0.004), (plain, 0.002)):
+        hicache_tier._after_prepare_for_extend(None, batch)  # SGLang set hicache_consumer_index just before
+        engine.wait_s += waited
+        hicache_tier._after_run_batch(None, None, batch)
+    # the batch goes on decoding with its consumer index still set: no load of its own
+    for waited in (0.001, 0.003):
+        engine.wait_s += waited
+        hicache_tier._after_run_batch(None, None, _batch(True, 0))
+    tier.expert_memory.offloaded_groups = 0  # nothing offloaded: no staging to charge, not counted
+    hicache_tier._after_prepare_for_extend(None, loaded)
+    engine.wait_s += 0.5
+    hicache_tier._after_run_batch(None, None, loaded)
+    split = tier.stats()["hicache"]["staging_by_load"]
+    assert split["extend_with_load"] == {"steps": 1, "staging_wait_s": 0.004, "tokens": 300}
+    assert split["extend_without_load"] == {"steps": 1, "staging_wait_s": 0.002, "tokens": 200}
+    assert split["decode"] == {"steps": 2, "staging_wait_s": 0.004, "requests": 4}
+
+
+def test_without_vamp_the_tier_reports_no_staging_split():
+    assert "staging_by_load" not in HostTier(_host_pool(), 0).stats()["hicache"]

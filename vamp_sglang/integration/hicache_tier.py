@@ -11,6 +11,15 @@ host-to-device load rate the planner prices evictions with, and the host-tier hi
   (`load_s_per_token`). The planner gets it agreed over TP ranks (plan_inputs.PlanInputs.host_load_s_per_token).
 - Hits: each admitted request's device and host cached tokens (`Req.cached_tokens_device/_host`, computed in
   `ScheduleBatch.prepare_for_extend`), counted once per request.
+- Staging beside loads (VAMP on): after every forward run while experts are offloaded, the staging engine's wait
+  in it (the figure the TPOT guard charges to offloading, step_measurements.py), for decode forwards and for
+  extend forwards with and without a HiCache host load submitted for their batch (`hicache_consumer_index >= 0`
+  when the batch was built, SGLang's own test; the index then stays on the batch that goes on decoding, so only
+  the extend forward of the batch it was set for counts). SGLang submits loads only while it builds a prefill
+  batch. On CPU such a load is a synchronous copy made then, before the forward starts its staging copies, so
+  the two never run at the same time; on a GPU it runs on the host-to-device stream under the forward, with
+  overlap scheduling possibly under the decode forward before it too (not told apart here), and staging waits
+  are read back from events later, so a step's figure can land in a later step.
 """
 
 from __future__ import annotations
@@ -62,6 +71,11 @@ class HostTier:
         self.load_s = 0.0
         self.host_hit_tokens = 0
         self.device_hit_tokens = 0
+        self.expert_memory: Any | None = None  # VAMP on: whose staging engine's wait is split by loads
+        self._staging_wait_seen_s = 0.0
+        self.load_batch: Any | None = None  # the prefill batch just built with a host load submitted for it
+        # extend_with_load / extend_without_load / decode -> [forwards, staging wait s, tokens (extend) or requests]
+        self.staging_by_load = {kind: [0, 0.0, 0] for kind in ("extend_with_load", "extend_without_load", "decode")}
 
     def observe_load(self, tokens: int, seconds: float) -> None:
         """Fold one HiCache load (all layers of `tokens` tokens in `seconds`) into the rate."""
@@ -72,6 +86,18 @@ class HostTier:
         rate = seconds / tokens
         previous = self.load_s_per_token
         self.load_s_per_token = rate if previous is None else previous + EMA_WEIGHT * (rate - previous)
+
+    def observe_forward(self, kind: str, size: int) -> None:
+        """After one forward of `kind` (a key of staging_by_load): its staging wait, counted while experts are
+        offloaded (a forward without offloaded experts waits for nothing)."""
+        wait_s = float(self.expert_memory.experts.engine.stats().wait_s)
+        waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
+        if not self.expert_memory.offloaded_groups:
+            return
+        row = self.staging_by_load[kind]
+        row[0] += 1
+        row[1] += waited_s
+        row[2] += size
 
     def probe(self, device: torch.device) -> None:
         """Time one host-to-device copy of part of the host pool (best of three)."""
@@ -99,7 +125,10 @@ class HostTier:
             "host_bytes_total": self.host_pool_bytes + self.expert_host_bytes,
             "host_hit_tokens": self.host_hit_tokens, "device_hit_tokens": self.device_hit_tokens,
             "loaded_tokens": self.loaded_tokens, "load_s": round(self.load_s, 6),
-            "load_us_per_token": None if self.load_s_per_token is None else round(self.load_s_per_token * 1e6, 4)}}
+            "load_us_per_token": None if self.load_s_per_token is None else round(self.load_s_per_token * 1e6, 4),
+            **({} if self.expert_memory is None else {"staging_by_load": {
+                kind: {"steps": steps, "staging_wait_s": round(wait_s, 6), "requests" if kind == "decode"
+                       else "tokens": size} for kind, (steps, wait_s, size) in self.staging_by_load.items()}})}}
 
 
 def host_pool_of(tree_cache: Any) -> Any:
@@ -133,6 +162,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     logger.info("vamp: HiCache host pool %.2f GiB (%d tokens) + expert host copies %.2f GiB; load %.3f us/token",
                 tier.host_pool_bytes / GIB, tier.host_pool_tokens, expert_bytes / GIB,
                 (tier.load_s_per_token or 0.0) * 1e6)
+    tier.expert_memory = memory
     _tier = runtime.host_tier = tier
     runtime.extensions.append(tier)
 
@@ -142,6 +172,7 @@ def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any
     tier = _tier
     if tier is None:
         return
+    tier.load_batch = batch if getattr(batch, "hicache_consumer_index", -1) >= 0 else None
     for req in batch.reqs:
         if getattr(req, "_cache_breakdown_computed", False) and not getattr(req, "vamp_tier_counted", False):
             req.vamp_tier_counted = True
@@ -149,7 +180,22 @@ def _after_prepare_for_extend(result: Any, batch: Any, *args: Any, **kwargs: Any
             tier.device_hit_tokens += int(req.cached_tokens_device)
 
 
+def _after_run_batch(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Count the forward's staging wait as a decode's or an extend's, with or without a host load for its batch."""
+    tier = _tier
+    if tier is None or tier.expert_memory is None:
+        return
+    mode = batch.forward_mode
+    if mode.is_decode():
+        tier.observe_forward("decode", len(batch.reqs))
+    elif mode.is_extend():
+        loaded, tier.load_batch = tier.load_batch is batch, None
+        tier.observe_forward("extend_with_load" if loaded else "extend_without_load", int(batch.extend_num_tokens or 0))
+
+
 HOOKS = [
     Hook("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", "after", _after_prepare_for_extend,
          "HiCache: count each admitted request's device and host cached tokens for /vamp/stats"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.run_batch", "after", _after_run_batch,
+         "HiCache + VAMP: each forward's staging wait, extend forwards split by a host load for their batch"),
 ]
