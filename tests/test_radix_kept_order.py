@@ -35,11 +35,13 @@ class KeptOrderMachine(RadixMachine):
         match = self._match(tokens)
         prefix_len = match.device_prefix_len
         prefix = self.cache.path_device_indices(match.last_device_node)[:prefix_len]
+        lock = self.cache.lock(match.last_device_node)  # or the allocation's eviction may free the prefix
         new = self._alloc(len(tokens) - prefix_len)
         if new is not None:
             with self.core.written_by(prior):
                 self.cache.insert(InsertParams(key=key_of(tokens), value=torch.cat([prefix, new]),
                                                prev_prefix_len=prefix_len, priority=priority))
+        self.cache.unlock(lock)
 
     @rule(hit=st.integers(0, 8))
     def tree_wide_rate_moves(self, hit):
