@@ -8,6 +8,7 @@ reused from an earlier measurement):
 
 - `decision`: what the decision maker does before it acts: the eviction candidates taken lazily
   in the tree's order (`radix_eviction.eviction_candidates`), the snapshot, and the plan with all four costs;
+  its three parts are also reported alone (`candidates`, `snapshot`, `plan`), so a slow decision says where;
 - `sglang_evict`: `tree_cache.evict(G tokens)` alone with SGLang's own device walk (a heap over
   every evictable leaf, as stock SGLang runs it at a shortfall; the tree's kept order set aside);
 - `kept_evict`: the same eviction as this tree runs it, from the order it keeps between shortfalls;
@@ -88,12 +89,21 @@ OFFLOAD = OffloadState(headroom_groups=24, tokens_by_groups=tuple(4096 * n for n
                        shards_per_group=4, local_experts=128, top_k=8, decode_budget_min=64)
 
 
-def decide(cache, gap_tokens: int, coefficients: Coefficients) -> str:
-    """The decision maker's work before acting, on this tree (a prefill shortfall)."""
+def decide(cache, gap_tokens: int, coefficients: Coefficients, parts: dict[str, list[float]] | None = None) -> str:
+    """The decision maker's work before acting, on this tree (a prefill shortfall); `parts` gets the
+    time of each of its three parts in us."""
+    start = time.perf_counter_ns()
     evictable = radix_eviction.eviction_candidates(cache, gap_tokens, 0, 1, 20)
+    built = time.perf_counter_ns()
     snapshot = Snapshot("prefill", gap_tokens, 0, tuple(evictable), OFFLOAD, (), 20,
                         radix_tree.tree_core_of(cache).vamp_ledger.hit_rate, coefficients.as_overrides())
-    return plan(snapshot, coefficients).action
+    planned = time.perf_counter_ns()
+    action = plan(snapshot, coefficients).action
+    if parts is not None:
+        end = time.perf_counter_ns()
+        for name, ns in (("candidates", built - start), ("snapshot", planned - built), ("plan", end - planned)):
+            parts[name].append(ns / 1e3)
+    return action
 
 
 def timed_us(fn) -> float:
@@ -147,6 +157,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     coefficients = Coefficients(t_prefill_s=160e-6)
     names = ("decision", "sglang_evict", "kept_evict", "decision_then_evict")
     times: dict[str, list[float]] = {name: [] for name in names}
+    parts: dict[str, list[float]] = {name: [] for name in ("candidates", "snapshot", "plan")}
     actions = set()
 
     def kept_evict() -> None:
@@ -154,7 +165,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
 
     for _ in tqdm(range(repeats), desc=f"timing decisions ({nodes} nodes)"):
         step[0] += 1
-        times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients))))
+        times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients, parts))))
         step[0] += 1
         times["sglang_evict"].append(timed_us(lambda: stock_evict(cache, gap_tokens)))
         restore(cache, allocator, histories)
@@ -173,10 +184,13 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
         result[f"{name}_us_median"], result[f"{name}_us_p99"] = stats[name]["median"], stats[name]["p99"]
         if name != "sglang_evict":
             result[f"{name}_over_sglang_evict"] = stats[name]["median"] / base
+    part_medians = {name: statistics.median(samples) for name, samples in parts.items()}
+    result.update({f"decision_{name}_us_median": median for name, median in part_medians.items()})
     print(f"tree: {nodes} nodes, {leaves} evictable leaves; gap {gap_tokens} tokens; plans {sorted(actions)}")
     for name, s in stats.items():
         print(f"  {name:<22} median {s['median']:9.1f} us   p99 {s['p99']:9.1f} us   "
               f"x sglang evict {s['median'] / base:.2f}")
+    print("  decision parts (median): " + ", ".join(f"{name} {median:.1f} us" for name, median in part_medians.items()))
     return result
 
 

@@ -91,14 +91,17 @@ class _DeviceTreeView:
         return self.core.node_tokens(node)
 
     def parent_if_leaf_after(self, node: UnifiedTreeNode, removed: set) -> UnifiedTreeNode | None:
-        """Mirrors `UnifiedTreeCore._is_device_leaf` with `removed` treated as evicted."""
+        """Mirrors `UnifiedTreeCore._is_device_leaf` with `removed` treated as evicted (plain loops:
+        this runs for every candidate a decision takes)."""
         parent = node.parent
         if parent is None or parent is self.core.root_node or parent.evicted:
             return None
-        if any(cd.lock_ref > 0 for cd in parent.component_data):
-            return None
-        if any(c not in removed and c.component_data[_FULL].value is not None for c in parent.children.values()):
-            return None
+        for cd in parent.component_data:
+            if cd.lock_ref > 0:
+                return None
+        for child in parent.children.values():
+            if child not in removed and child.component_data[_FULL].value is not None:
+                return None
         return parent
 
 
@@ -125,15 +128,18 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     may ask the tree for (`eviction_need_tokens`), each with the prior the tree prices it with."""
     core = tree_core_of(tree_cache)
     need = eviction_need_tokens(gap_tokens, free_tokens, running_requests, retract_buffer_tokens)
-    now, out, covered, lost = core.now_steps(), [], 0, LostTokens(core)
+    out: list[EvictableBlock] = []
+    if need <= 0:
+        return out  # nothing to take: no walk (a walk prices the leaves at its front)
+    now, covered, lost = core.now_steps(), 0, LostTokens(core) if core.vamp_hybrid else None
     for node in kept_order(core):
+        tokens, stats = core.node_tokens(node), node.vamp_stats
+        covered += tokens
+        out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), core.prior_hit_rate(node),
+                                  None if lost is None else lost(node),
+                                  bool(node.backuped)))  # HiCache's host copy (False without)
         if covered >= need:
             break
-        tokens = core.node_tokens(node)
-        covered += tokens
-        out.append(EvictableBlock(tokens, node.vamp_stats.hits, node.vamp_stats.age_steps(now),
-                                  core.prior_hit_rate(node), lost(node) if core.vamp_hybrid else None,
-                                  host_copy=bool(node.backuped)))  # HiCache's host copy (False without)
     return out
 
 

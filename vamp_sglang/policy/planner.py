@@ -22,6 +22,7 @@ carry it out:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,8 +80,9 @@ def plan(snapshot: Snapshot, coeffs: Coefficients, policy: str = "cost") -> Plan
         if snapshot.site == "prefill":
             zero["preempt"] = None
         return Plan("none", 0, 0, zero)
-    options = {"evict": _evict(snapshot, c), "offload": _offload(snapshot, c),
-               "preempt": _preempt(snapshot, c), "combined": _combined(snapshot, c)}
+    totals = _Totals(snapshot, c)
+    options = {"evict": _evict(snapshot, totals), "offload": _offload(snapshot, c),
+               "preempt": _preempt(snapshot, c, totals), "combined": _combined(snapshot, c, totals)}
     costs = {key: None if options[key] is None else options[key].cost_s for key in COST_KEYS}
     action = _CHOOSERS[policy](options)
     if action is None:
@@ -99,22 +101,41 @@ def eviction_need_tokens(gap_tokens: int, free_tokens: int, running_requests: in
 
 
 # --- the four candidate plans --------------------------------------------------------------------
+class _Totals:
+    """Running totals (tokens freed, summed C_c) of evicting the snapshot's candidates in the tree's
+    order, priced lazily and once per plan: evict, combined and the preempt replay all read the same
+    prefix of the list. `freed[i]` and `cost_s[i]` cover the first i candidates, summed in order, so a
+    total is the float a walk adding one block at a time gets."""
+
+    def __init__(self, s: Snapshot, c: Coefficients) -> None:
+        self.s, self.c = s, c
+        self.freed, self.cost_s = [0], [0.0]
+
+    def cover(self, need_tokens: int) -> int:
+        """The fewest leading candidates that free `need_tokens` (all of them when none do)."""
+        s, c, freed, cost_s = self.s, self.c, self.freed, self.cost_s
+        priced = len(freed) - 1
+        while freed[priced] < need_tokens and priced < len(s.evictable):
+            e = s.evictable[priced]
+            freed.append(freed[priced] + e.tokens)
+            cost_s.append(cost_s[priced] + block_cost_s(s, e, c))
+            priced += 1
+        return min(bisect.bisect_left(freed, need_tokens), priced)  # freed grows: every block has tokens
+
+
 class _TreeEviction:
     """Eviction from the snapshot's candidates in the tree's order, freeing whole nodes, resumable:
     the preempt replay evicts a little after each victim, the others once."""
 
-    def __init__(self, s: Snapshot, c: Coefficients) -> None:
-        self.s, self.c = s, c
-        self.next_index, self.freed, self.cost_s = 0, 0, 0.0
+    def __init__(self, totals: _Totals) -> None:
+        self.totals = totals
+        self.freed, self.cost_s = 0, 0.0
 
     def free(self, need_tokens: int) -> bool:
         """Evict until `need_tokens` are freed in all; False if the candidates run out first."""
-        blocks = self.s.evictable
-        while self.freed < need_tokens and self.next_index < len(blocks):
-            e = blocks[self.next_index]
-            self.next_index += 1
-            self.freed += e.tokens
-            self.cost_s += block_cost_s(self.s, e, self.c)
+        if self.freed < need_tokens:
+            taken = self.totals.cover(need_tokens)
+            self.freed, self.cost_s = self.totals.freed[taken], self.totals.cost_s[taken]
         return self.freed >= need_tokens
 
 
@@ -130,15 +151,15 @@ def block_cost_s(s: Snapshot, e: EvictableBlock, c: Coefficients) -> float:
     return cached_block_cost_s(e.lost_tokens, e.hits, e.age_steps, e.prior_hit_rate, c)
 
 
-def _evict_cover(s: Snapshot, c: Coefficients, need_tokens: int) -> float | None:
+def _evict_cover(totals: _Totals, need_tokens: int) -> float | None:
     """C_c (Eq. 2) of freeing `need_tokens` from whole nodes taken in the tree's eviction order;
     None if the tree cannot free that much."""
-    tree = _TreeEviction(s, c)
+    tree = _TreeEviction(totals)
     return tree.cost_s if tree.free(need_tokens) else None
 
 
-def _evict(s: Snapshot, c: Coefficients) -> _Option | None:
-    cost_s = _evict_cover(s, c, s.gap_tokens)
+def _evict(s: Snapshot, totals: _Totals) -> _Option | None:
+    cost_s = _evict_cover(totals, s.gap_tokens)
     return None if cost_s is None else _Option(cost_s, 0, s.gap_tokens)
 
 
@@ -162,14 +183,14 @@ def _offload(s: Snapshot, c: Coefficients) -> _Option | None:
     return None
 
 
-def _preempt(s: Snapshot, c: Coefficients) -> _Option | None:
+def _preempt(s: Snapshot, c: Coefficients, totals: _Totals) -> _Option | None:
     """Replays `retract_decode`: retract a victim, evict to the per-request buffer, re-check."""
     if s.site == "prefill" or not s.preempt:
         return None
     free = s.free_tokens
     need = s.gap_tokens + s.free_tokens  # the step's allocation
     remaining = len(s.preempt) + 1  # SGLang keeps the last request
-    tree, partials = _TreeEviction(s, c), []
+    tree, partials = _TreeEviction(totals), []
     for victim in s.preempt:
         remaining -= 1
         free += victim.tokens
@@ -182,14 +203,14 @@ def _preempt(s: Snapshot, c: Coefficients) -> _Option | None:
     return None
 
 
-def _combined(s: Snapshot, c: Coefficients) -> _Option | None:
+def _combined(s: Snapshot, c: Coefficients, totals: _Totals) -> _Option | None:
     below = [g for g in _allowed_groups(s, c) if s.offload_tokens(g) < s.gap_tokens]
     floor = below[-1] if below else 0
     added = s.offload_tokens(floor)
     if added == 0:
         return None
     remainder = s.gap_tokens - added
-    evict_s = _evict_cover(s, c, remainder)
+    evict_s = _evict_cover(totals, remainder)
     if evict_s is None:
         return None
     return _Option(combined_cost_s(_offload_price(s, c, floor), evict_s), floor, remainder)

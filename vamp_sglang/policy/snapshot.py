@@ -3,7 +3,11 @@
 One JSON shape serves three readers: the integration builds it at SGLang's shortfall funnel, the
 planner decides from it, and `python -m vamp_sglang.policy explain` replays it from a log line.
 Validation lives in `Snapshot.__post_init__`, so a snapshot built in code is held to the same
-rules as one parsed from a file, and every error names the offending field by its JSON path.
+rules as one parsed from a file, and every error names the offending field by its JSON path. It runs
+at every shortfall, so it is cheap for what the integration builds: one pass over each list that only
+accepts (exact ints, float rates, bools), and the field-by-field check, which names what is wrong,
+only where that pass fails; the coefficient overrides, checked by building the VampConfig they make,
+are remembered (`_overridden`).
 
     {"site": "prefill" | "decode", "gap_tokens": int, "free_tokens": int,
      "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float,
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +111,9 @@ class Snapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
         object.__setattr__(self, "preempt", tuple(self.preempt))
-        object.__setattr__(self, "offload", dataclasses.replace(
-            self.offload, tokens_by_groups=tuple(self.offload.tokens_by_groups)))
+        if type(self.offload.tokens_by_groups) is not tuple:
+            object.__setattr__(self, "offload", dataclasses.replace(
+                self.offload, tokens_by_groups=tuple(self.offload.tokens_by_groups)))
         _validate(self)
 
     @property
@@ -123,7 +128,7 @@ class Snapshot:
 
     def coefficients_over(self, base: Coefficients) -> Coefficients:
         """`base` with this snapshot's overrides applied, so a logged snapshot replays to the same plan."""
-        return base.with_overrides(self.coefficients) if self.coefficients else base
+        return _overridden(base, self.coefficients) if self.coefficients else base
 
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
@@ -207,8 +212,8 @@ def _is_number(v: Any) -> bool:
 
 
 def _int(v: Any, path: str, minimum: int | None) -> None:
-    kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}[minimum]
     if not _is_int(v) or (minimum is not None and v < minimum):
+        kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}[minimum]
         raise SnapshotError(f"{path} must be {kind} (got {v!r})")
 
 
@@ -218,36 +223,22 @@ def _validate(s: Snapshot) -> None:
     _int(s.gap_tokens, "snapshot.gap_tokens", None)
     _int(s.free_tokens, "snapshot.free_tokens", 0)
     _int(s.retract_buffer_tokens, "snapshot.retract_buffer_tokens", 0)
-    for i, e in enumerate(s.evictable):
-        _int(e.tokens, f"snapshot.evictable[{i}].tokens", 1)
-        _int(e.hits, f"snapshot.evictable[{i}].hits", 0)
-        _int(e.age_steps, f"snapshot.evictable[{i}].age_steps", 0)
-        _rate(e.prior_hit_rate, f"snapshot.evictable[{i}].prior_hit_rate")
-        if e.reprefill_tokens is not None:
-            _int(e.reprefill_tokens, f"snapshot.evictable[{i}].reprefill_tokens", 0)
-        if not isinstance(e.host_copy, bool):
-            raise SnapshotError(f"snapshot.evictable[{i}].host_copy must be true or false (got {e.host_copy!r})")
+    if not _plain_blocks(s.evictable):
+        _validate_blocks(s.evictable)
     o = s.offload
     _int(o.headroom_groups, "snapshot.offload.headroom_groups", 0)
     if len(o.tokens_by_groups) != o.headroom_groups:
         raise SnapshotError(f"snapshot.offload.tokens_by_groups must list one count per headroom group "
                             f"({o.headroom_groups}, got {len(o.tokens_by_groups)})")
-    previous = 0
-    for i, tokens in enumerate(o.tokens_by_groups):
-        _int(tokens, f"snapshot.offload.tokens_by_groups[{i}]", 0)
-        if tokens < previous:
-            raise SnapshotError(f"snapshot.offload.tokens_by_groups must not decrease (index {i}: "
-                                f"{tokens} < {previous})")
-        previous = tokens
+    if not _plain_gains(o.tokens_by_groups):
+        _validate_gains(o.tokens_by_groups)
     # Without headroom the layout may be absent (offload off), so 0 is allowed there.
     _int(o.shards_per_group, "snapshot.offload.shards_per_group", 1 if o.headroom_groups > 0 else 0)
     _int(o.local_experts, "snapshot.offload.local_experts", 1)
     _int(o.top_k, "snapshot.offload.top_k", 1)
     _int(o.decode_budget_min, "snapshot.offload.decode_budget_min", 0)
-    for i, p in enumerate(s.preempt):
-        _int(p.partial_tokens, f"snapshot.preempt[{i}].partial_tokens", 0)
-        _int(p.tokens, f"snapshot.preempt[{i}].tokens", 0)
-        _int(p.decode_tokens, f"snapshot.preempt[{i}].decode_tokens", 0)
+    if not _plain_victims(s.preempt):
+        _validate_victims(s.preempt)
     _rate(s.observed_hit_rate, "snapshot.observed_hit_rate")
     if s.tpot_guard_groups is not None:
         _int(s.tpot_guard_groups, "snapshot.tpot_guard_groups", 0)
@@ -260,6 +251,62 @@ def _validate(s: Snapshot) -> None:
     _validate_coefficients(s.coefficients)
 
 
+def _plain_blocks(blocks: Sequence[EvictableBlock]) -> bool:
+    """Every block valid and of the exact types the integration builds (a float rate): one pass,
+    nothing formatted. False sends the list through `_validate_blocks`, which decides."""
+    for e in blocks:
+        lost = e.reprefill_tokens
+        if not (type(e.tokens) is int and e.tokens >= 1 and type(e.hits) is int and e.hits >= 0
+                and type(e.age_steps) is int and e.age_steps >= 0
+                and type(e.prior_hit_rate) is float and 0.0 <= e.prior_hit_rate <= 1.0
+                and type(e.host_copy) is bool and (lost is None or (type(lost) is int and lost >= 0))):
+            return False
+    return True
+
+
+def _validate_blocks(blocks: Sequence[EvictableBlock]) -> None:
+    for i, e in enumerate(blocks):
+        _int(e.tokens, f"snapshot.evictable[{i}].tokens", 1)
+        _int(e.hits, f"snapshot.evictable[{i}].hits", 0)
+        _int(e.age_steps, f"snapshot.evictable[{i}].age_steps", 0)
+        _rate(e.prior_hit_rate, f"snapshot.evictable[{i}].prior_hit_rate")
+        if e.reprefill_tokens is not None:
+            _int(e.reprefill_tokens, f"snapshot.evictable[{i}].reprefill_tokens", 0)
+        if not isinstance(e.host_copy, bool):
+            raise SnapshotError(f"snapshot.evictable[{i}].host_copy must be true or false (got {e.host_copy!r})")
+
+
+def _plain_victims(victims: Sequence[PreemptCandidate]) -> bool:
+    """Every candidate's counts exact non-negative ints, in one pass (else `_validate_victims` decides)."""
+    return all(type(n) is int and n >= 0 for p in victims for n in (p.partial_tokens, p.tokens, p.decode_tokens))
+
+
+def _validate_victims(victims: Sequence[PreemptCandidate]) -> None:
+    for i, p in enumerate(victims):
+        for name in ("partial_tokens", "tokens", "decode_tokens"):
+            _int(getattr(p, name), f"snapshot.preempt[{i}].{name}", 0)
+
+
+def _plain_gains(tokens_by_groups: tuple[int, ...]) -> bool:
+    """Exact ints from 0 up, never decreasing: the check `_validate_gains` makes, in one pass."""
+    previous = 0
+    for tokens in tokens_by_groups:
+        if type(tokens) is not int or tokens < previous:
+            return False
+        previous = tokens
+    return True
+
+
+def _validate_gains(tokens_by_groups: tuple[int, ...]) -> None:
+    previous = 0
+    for i, tokens in enumerate(tokens_by_groups):
+        _int(tokens, f"snapshot.offload.tokens_by_groups[{i}]", 0)
+        if tokens < previous:
+            raise SnapshotError(f"snapshot.offload.tokens_by_groups must not decrease (index {i}: "
+                                f"{tokens} < {previous})")
+        previous = tokens
+
+
 def _rate(v: Any, path: str) -> None:
     if not (_is_number(v) and 0.0 <= v <= 1.0):
         raise SnapshotError(f"{path} must be a number in [0, 1] (got {v!r})")
@@ -267,15 +314,38 @@ def _rate(v: Any, path: str) -> None:
 
 def _validate_coefficients(overrides: Mapping[str, Any]) -> None:
     for name, value in overrides.items():
-        path = f"snapshot.coefficients.{name}"
         if name not in COEFFICIENT_NAMES:
             raise SnapshotError(f"snapshot.coefficients has unknown field {name!r}; "
                                 f"expected one of {', '.join(COEFFICIENT_NAMES)}")
         if name == "expand_groups":
-            _int(value, path, 1)
+            _int(value, "snapshot.coefficients.expand_groups", 1)
         elif not _is_number(value):
-            raise SnapshotError(f"{path} must be a finite number (got {value!r})")
+            raise SnapshotError(f"snapshot.coefficients.{name} must be a finite number (got {value!r})")
     try:
-        Coefficients().with_overrides(overrides)
+        _overridden(_DEFAULTS, overrides)
     except ValueError as e:
         raise SnapshotError(f"snapshot.coefficients: {e}") from None
+
+
+_DEFAULTS = Coefficients()
+_ALL_NAMES = frozenset(COEFFICIENT_NAMES)
+_OVERRIDDEN: dict[tuple, Coefficients] = {}  # see _overridden
+_OVERRIDDEN_MAX = 64  # measured coefficients change every 256 steps at most; a full memo is simply emptied
+
+
+def _overridden(base: Coefficients, overrides: Mapping[str, Any]) -> Coefficients:
+    """`base.with_overrides(overrides)`, remembered: building and validating the VampConfig costs more
+    than the rest of a plan, and consecutive shortfalls carry the same coefficients. The key holds
+    each value's repr, which tells 1 from 1.0 and 0.0 from -0.0 where equality would not, and `base`
+    only when some coefficient is not overridden (the integration's snapshots override them all)."""
+    key = tuple((name, repr(value)) for name, value in overrides.items())
+    if not overrides.keys() >= _ALL_NAMES:
+        key += (repr(base),)
+    found = _OVERRIDDEN.get(key)
+    if found is None:
+        found = base.with_overrides(overrides)
+        if len(_OVERRIDDEN) >= _OVERRIDDEN_MAX:
+            _OVERRIDDEN.clear()
+        _OVERRIDDEN[key] = found
+    return found
+
