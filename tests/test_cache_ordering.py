@@ -2,7 +2,7 @@
 
 Paper section V coefficients: alpha = 0.5, tau = 2,000 steps, t_prefill = 15 us, and t_overhead =
 t_sched = 500 us (our reading, see policy/costs.py); r_hit = (hits + rate) / (hits + 1), where
-rate is the node's prior (its writer's hit rate) or else the tree-wide observed rate.
+rate is the node's prior (its writer class's observed reuse share: tests/test_reuse_share.py).
 """
 
 import pytest
@@ -24,20 +24,20 @@ def test_cost_and_priority_match_hand_computation():
     # r_hit = 3.5 / 4 = 0.875; p_eff = 0.5 * 0.875 / (1 + 2000 / 2000) = 0.21875
     # C_c = 0.21875 * (100 * 15 us + 500 us) = 437.5 us
     node = stats(hits=3, last_step=1000)
-    assert ORDER.cost_s(100, node, now_step=3000, observed_hit_rate=0.5) == pytest.approx(437.5e-6)
-    p_eff, last_step, created_step = ORDER.priority(node, now_step=3000, observed_hit_rate=0.5)
+    assert ORDER.cost_s(100, node, now_step=3000, prior=0.5) == pytest.approx(437.5e-6)
+    p_eff, last_step, created_step = ORDER.priority(node, now_step=3000, prior=0.5)
     assert p_eff == pytest.approx(0.21875)
     assert (last_step, created_step) == (1000, 0)
 
 
-def test_writer_prior_replaces_the_tree_wide_rate():
-    # never hit, written by a request that hit 90%: r_hit = 0.9, p_eff = 0.45, C_c = 0.45 * 800 us = 360 us
+def test_the_prior_prices_a_never_hit_node():
+    # never hit, its class's prior 0.9: r_hit = 0.9, p_eff = 0.45, C_c = 0.45 * 800 us = 360 us
     continuation = stats(hits=0, last_step=0, prior=0.9)
-    assert ORDER.priority(continuation, 0, observed_hit_rate=0.2)[0] == pytest.approx(0.45)
-    assert ORDER.cost_s(20, continuation, 0, observed_hit_rate=0.2) == pytest.approx(360e-6)
+    assert ORDER.priority(continuation, 0, prior=0.9)[0] == pytest.approx(0.45)
+    assert ORDER.cost_s(20, continuation, 0, prior=0.9) == pytest.approx(360e-6)
     one_shot = stats(hits=0, last_step=5, prior=0.0)
-    assert ORDER.priority(one_shot, 5, 0.2)[0] == 0.0
-    assert ORDER.priority(one_shot, 5, 0.2) < ORDER.priority(continuation, 5, 0.2)
+    assert ORDER.priority(one_shot, 5, 0.0)[0] == 0.0
+    assert ORDER.priority(one_shot, 5, 0.0) < ORDER.priority(continuation, 5, 0.9)
 
 
 def test_order_ignores_node_size_where_whole_node_cost_would_not():
@@ -81,6 +81,5 @@ def test_priority_prices_with_eq1s_own_floats():
     for _ in range(2000):
         stats = NodeStats(rng.randint(0, 5000), rng.randint(0, 50), 0, rng.choice([None, rng.random(), 0.0, 1.0]))
         now, rate = rng.randint(0, 9000), rng.random()
-        expected = reuse_probability(stats.hits, stats.age_steps(now), rate if stats.prior is None else stats.prior,
-                                     order.coefficients)
+        expected = reuse_probability(stats.hits, stats.age_steps(now), rate, order.coefficients)
         assert order.priority(stats, now, rate)[0] == expected

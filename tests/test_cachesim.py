@@ -185,7 +185,9 @@ def test_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
     assert list(result) == ["pools"] and len(result["pools"]) == 3
     for row in result["pools"].values():
         assert list(row) == ["lru", "vamp", "opt"]
-        assert all(set(r) == {"hit_rate", "reprefill_tokens", "evictions", "vs_opt"} for r in row.values())
+        assert all(set(r) == {"hit_rate", "hit_rate_all_turns", "reprefill_tokens", "evictions", "vs_opt"}
+                   for r in row.values())
+        assert all(0.0 <= r["hit_rate_all_turns"] <= 1.0 for r in row.values())
         assert row["opt"]["vs_opt"] == 1.0
     assert (tmp_path / "out.png").stat().st_size > 0
     requests = build_requests(trace, None)

@@ -1,6 +1,7 @@
 """Targeted checks of VampTreeCore in SGLang's real cache: registration, stats life cycle, order."""
 
 import argparse
+import math
 
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -85,23 +86,67 @@ def test_split_keeps_stats_and_insert_refreshes_recency():
     assert (branch.created_step, branch.prior) == (50, None)
 
 
-def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt():
+def history(cache, allocator, writer_rate, reused, rounds=40):
+    """`rounds` earlier 32-token writes by requests that hit `writer_rate`, each reused by one admission
+    or never, then evicted: what the tree has observed of KV from that writer class."""
+    core = radix_tree.tree_core_of(cache)
+    for k in range(rounds):
+        tokens = list(range(10_000 + 100 * k, 10_032 + 100 * k))
+        with core.written_by(writer_rate):
+            insert(cache, allocator, tokens)
+        if reused:
+            admit(cache, tokens)
+        cache.evict(EvictParams(num_tokens=64))
+
+
+def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt_where_one_shots_were_not_reused():
     cache, allocator = build_cache(page_size=1)
     core = radix_tree.tree_core_of(cache)
     step = [0]
     radix_backend.bind_step_source(cache, lambda: step[0])
+    history(cache, allocator, 0.9, reused=True)  # continuations were continued
+    history(cache, allocator, 0.0, reused=False)  # one-shot prompts never came back
+    shares = core.vamp_shares
+    assert shares.written_tokens[3] == shares.reused_tokens[3] == 1280 and shares.reused_tokens[0] == 0
     with core.written_by(0.9):  # a session turn that hit 90% wrote its new tail
         insert(cache, allocator, list(range(500, 520)))
     step[0] = 10
     with core.written_by(0.0):  # then a one-shot prompt arrived
         insert(cache, allocator, list(range(600, 620)))
-    # priced with their writers' rates, in the tree's order; lazily: enough to cover the need only
-    assert radix_eviction.eviction_candidates(cache, 40, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0),
-                                                             EvictableBlock(20, 0, 10, 0.9)]
-    assert radix_eviction.eviction_candidates(cache, 5, 0, 1, 0) == [EvictableBlock(20, 0, 0, 0.0)]
+    one_shot_prior, continuation_prior = core.prior_hit_rate(node_for(cache, list(range(600, 620)))), \
+        core.prior_hit_rate(node_for(cache, list(range(500, 520))))
+    # priced with their classes' observed shares, shrunk towards the tree-wide rate (every admission hit: 1.0),
+    # as published: within one eviction-order bucket (2^(1/8)) of the share itself
+    assert shares.share(0, 1.0) == pytest.approx(1024 / (1300 + 1024))
+    assert abs(math.log2(one_shot_prior / shares.share(0, 1.0))) <= 1 / 8
+    assert continuation_prior == pytest.approx(1.0)
+    # in the tree's order; lazily: enough to cover the need only
+    assert radix_eviction.eviction_candidates(cache, 40, 0, 1, 0) == [
+        EvictableBlock(20, 0, 0, one_shot_prior), EvictableBlock(20, 0, 10, continuation_prior)]
+    assert radix_eviction.eviction_candidates(cache, 5, 0, 1, 0) == [EvictableBlock(20, 0, 0, one_shot_prior)]
     cache.evict(EvictParams(num_tokens=1))
     assert node_for(cache, list(range(500, 520))).vamp_stats.prior == 0.9  # still cached
     assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 0
+
+
+def test_a_first_turn_outlives_stale_reused_kv_where_first_turns_are_continued():
+    """The Mooncake case (docs/evaluation.md): first turns hit ~0 of their prompt, yet their sessions come
+    back. Priced by the writer's own rate they went first, below any stale node ever hit; priced by what
+    the tree observed of first turns, a fresh one outlives KV whose sessions ended long ago."""
+    cache, allocator = build_cache(page_size=1)
+    core = radix_tree.tree_core_of(cache)
+    step = [0]
+    radix_backend.bind_step_source(cache, lambda: step[0])
+    history(cache, allocator, 0.0, reused=True)  # first turns were continued
+    with core.written_by(0.9):
+        insert(cache, allocator, list(range(500, 520)))
+    admit(cache, list(range(500, 520)))  # reused once, then its session ended
+    step[0] = 20_000
+    with core.written_by(0.0):
+        insert(cache, allocator, list(range(600, 620)))
+    cache.evict(EvictParams(num_tokens=1))
+    assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(500, 520))))).device_prefix_len == 0
+    assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 20
 
 
 def scenario(policy: str) -> tuple[set, dict]:
@@ -139,10 +184,12 @@ def test_radix_stats_report_sizes_reuse_and_evictions_only():
     stats = info["stats"]
     assert set(stats) == {"node_count", "cached_tokens", "evictable_tokens", "protected_tokens", "admissions",
                           "hit_tokens", "requested_tokens", "hit_rate", "hits_histogram", "age_histogram_steps",
-                          "evicted_tokens"}
+                          "evicted_tokens", "reuse_by_writer_hit_rate"}
     assert (stats["node_count"], stats["cached_tokens"], stats["evictable_tokens"]) == (3, 48, 48)
     assert (stats["admissions"], stats["hit_tokens"], stats["requested_tokens"]) == (6, 48, 96)
     assert stats["hits_histogram"]["2-3"] == 1 and stats["hits_histogram"]["0"] == 2
     assert sum(stats["age_histogram_steps"].values()) == 3
+    # every write here came from no known writer (no checkpoint_into_tree): no class has evidence
+    assert all(row["written_tokens"] == row["reused_tokens"] == 0 for row in stats["reuse_by_writer_hit_rate"].values())
     candidates = radix_eviction.eviction_candidates(radix_cache := build_cache(1)[0], 5, 0, 1, 20)
     assert candidates == [] and radix_eviction.estimate_eviction(radix_cache, 10) == (0, 0.0)

@@ -2,7 +2,7 @@
 
 Random operation sequences on SGLang's real cache over our tree core (tests/test_radix_tree_state.py's
 machine: requests, admissions, locks, unlocks, evictions, time passing), plus writers with known hit
-rates, request priorities and admissions that move the tree-wide rate. After every step the order
+rates, request priorities and admissions that move the tree-wide rate (and so the writer classes' priors). After every step the order
 the kept structure gives must be the one a heap over every evictable leaf gives (SGLang's own walk,
 `cache.walk.eviction_order`), and every eviction must take exactly the nodes the full re-sort predicts.
 """
@@ -15,6 +15,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 
 from tests.test_radix_tree_state import POOL_TOKENS, RadixMachine, build_cache, key_of, sglang_context  # noqa: F401
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, bucket_low, bucket_of, estimate, eviction_order
+from vamp_sglang.cache.reuse_share import CLASSES, writer_class
 from vamp_sglang.integration import radix_eviction
 from vamp_sglang.integration.radix_tree import _describe
 from vamp_sglang.policy import Coefficients
@@ -100,12 +101,13 @@ class _Node:
        st.integers(0, 8000))
 @settings(max_examples=150, deadline=None)
 def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
-    """Many leaves, statistics that grow, leaves that leave, time and the tree-wide rate moving."""
+    """Many leaves, statistics that grow, leaves that leave, time and the writer classes' priors moving."""
     order_of = CostOrder(Coefficients())
-    rate = [0.4]
+    priors = {cls: 0.4 for cls in (None, *range(CLASSES))}
 
     def exact(node):
-        return (1, node.priority, *order_of.priority(node.vamp_stats, now_step[0], rate[0]))
+        stats = node.vamp_stats
+        return (1, node.priority, *order_of.priority(stats, now_step[0], priors[writer_class(stats.prior)]))
 
     kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
     live, now_step = {}, [0]
@@ -114,8 +116,8 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
         kept.add(live[i])
     for target, op, amount in ops:
         node = live.get(target)
-        if op == "rate":
-            rate[0] = (amount % 11) / 10
+        if op == "rate":  # one class's published prior moves
+            priors[[None, *range(CLASSES)][amount % (CLASSES + 1)]] = (amount % 11) / 10
             continue
         if node is None:
             continue
@@ -132,5 +134,5 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
             kept.add(node)
     for step in (now, now + 2500, now + 40000):
         now_step[0] = step
-        walk = kept.walk(step, rate[0], exact, lambda n: True)
+        walk = kept.walk(step, dict(priors), exact, lambda n: True)
         assert [n.id for n in walk] == [n.id for n in sorted(live.values(), key=lambda n: (exact(n), n))]

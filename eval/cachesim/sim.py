@@ -68,8 +68,10 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
     while inflight:
         finish_oldest()
     later = [r for r in requests if r.turn > 0]
-    prompt_tokens = sum(len(r.prompt) for r in later)
+    prompt_tokens, all_prompt_tokens = sum(len(r.prompt) for r in later), sum(len(r.prompt) for r in requests)
     return {"hit_rate": sum(hits[r.index] for r in later) / prompt_tokens if prompt_tokens else 0.0,
+            # every turn's prompt, as a server's cache_hit_rate counts it (turn 0 included)
+            "hit_rate_all_turns": sum(hits) / all_prompt_tokens if all_prompt_tokens else 0.0,
             "reprefill_tokens": sum(max(0, u - h) for u, h in zip(trie.unbounded_hits, hits)),
             "evictions": replay.evicted_tokens}
 

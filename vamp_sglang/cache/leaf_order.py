@@ -16,9 +16,10 @@ checks it against SGLang's heap on random operation sequences), at the cost of t
 falls below the last one evicted, not of every leaf.
 
 Entries go stale in the safe direction only: a node's hits, last step and request priority only grow,
-so an old entry still bounds it from below; the walk refreshes one it finds stale. Nodes whose writer's
-hit rate is unknown are priced with the tree-wide rate, which can fall, so they are re-bucketed when
-it changed since they were bucketed.
+so an old entry still bounds it from below; the walk refreshes one it finds stale. A never-hit node's
+prior is its writer class's published reuse share (cache/reuse_share.py), which can fall, so a class's
+nodes are re-bucketed when its published prior moved since they were bucketed (rarely: shares are
+published in steps of one bucket).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from vamp_sglang.cache.reuse_share import writer_class
 
 BUCKETS_PER_OCTAVE = 8
 ZERO_BUCKET = -(10 ** 9)  # r_hit == 0: p_eff is 0 at every step, the bound is exact
@@ -58,8 +61,8 @@ class LeafOrder:
         self.entries: dict[int, tuple[tuple[int, int], tuple, tuple]] = {}  # id -> (bucket key, entry, described)
         self.dead = 0  # entries left in a heap after their node left or was re-bucketed
         self.deferred: list[tuple] = []  # (bucket key, entry) not yet in a heap
-        self.unknown_prior: set[int] = set()  # ids priced with the tree-wide rate
-        self.rate = 0.0  # the tree-wide rate those were bucketed with
+        self.by_class: dict[int | None, set[int]] = {}  # writer class -> ids of its nodes
+        self.priors: dict[int | None, float] = {}  # writer class -> the prior its nodes were bucketed with
         self.walking: OrderedWalk | None = None  # a live eviction walk in progress (sees new leaves)
 
     def __len__(self) -> int:
@@ -68,7 +71,7 @@ class LeafOrder:
     def clear(self) -> None:
         self.buckets.clear()
         self.entries.clear()
-        self.unknown_prior.clear()
+        self.by_class.clear()
         self.deferred = []
         self.dead = 0
 
@@ -86,10 +89,12 @@ class LeafOrder:
         old = self.entries.get(node.id)
         if old is not None and old[2] == described and not force:
             return False
-        priority, hits, last, created, prior = described
-        if prior is None:
-            self.unknown_prior.add(node.id)
-        rho = self.rate if prior is None else prior
+        priority, hits, last, created, writer_rate = described
+        cls = writer_class(writer_rate)
+        if old is not None and writer_class(old[2][4]) != cls:
+            self.by_class[writer_class(old[2][4])].discard(node.id)
+        self.by_class.setdefault(cls, set()).add(node.id)
+        rho = self.priors.get(cls, 0.0)  # 0 bounds every prior; re-filed once the class is published
         key = (priority, bucket_of((hits + rho) / (hits + 1)))
         entry = (last, created, node.id, node)
         if old is not None:
@@ -99,9 +104,10 @@ class LeafOrder:
         return True
 
     def discard(self, node: Any) -> None:
-        if self.entries.pop(node.id, None) is not None:
+        old = self.entries.pop(node.id, None)
+        if old is not None:
             self.dead += 1
-            self.unknown_prior.discard(node.id)
+            self.by_class[writer_class(old[2][4])].discard(node.id)
 
     def flush(self) -> None:
         for key, entry in self.deferred:
@@ -112,12 +118,13 @@ class LeafOrder:
                 self.dead += 1
         self.deferred = []
 
-    def prepare(self, rate: float) -> None:
-        """Before a walk: re-bucket nodes priced with the tree-wide rate if it moved, file the deferred
-        entries, drop dead ones."""
-        if rate != self.rate:
-            self.rate = rate
-            for node_id in list(self.unknown_prior):
+    def prepare(self, priors: dict[int | None, float]) -> None:
+        """Before a walk: re-bucket the nodes of each writer class whose published prior moved, file the
+        deferred entries, drop dead ones."""
+        moved = [cls for cls, prior in priors.items() if self.priors.get(cls) != prior]
+        self.priors = dict(priors)
+        for cls in moved:
+            for node_id in list(self.by_class.get(cls, ())):
                 self.place(self.entries[node_id][1][3], force=True)
         self.flush()
         if self.dead > len(self.entries) + 64:
@@ -133,11 +140,12 @@ class LeafOrder:
         age = max(now - entry[0], 0)
         return (1, key[0], self.alpha * bucket_low(key[1]) / (1.0 + age / self.tau_steps), entry[0], entry[1])
 
-    def walk(self, now: float, rate: float, exact: Callable[[Any], tuple], admits: Callable[[Any], bool],
-             live: bool = False) -> OrderedWalk:
-        """Leaves smallest `exact` key first. `admits(node)`: still a candidate (not taken, still a leaf);
-        `live`: the caller evicts what it is given, and the leaves that frees join the walk."""
-        self.prepare(rate)
+    def walk(self, now: float, priors: dict[int | None, float], exact: Callable[[Any], tuple],
+             admits: Callable[[Any], bool], live: bool = False) -> OrderedWalk:
+        """Leaves smallest `exact` key first, `exact` pricing never-hit nodes with `priors` (writer class ->
+        prior). `admits(node)`: still a candidate (not taken, still a leaf); `live`: the caller evicts what
+        it is given, and the leaves that frees join the walk."""
+        self.prepare(priors)
         return OrderedWalk(self, now, exact, admits, live)
 
 

@@ -17,11 +17,11 @@ class NodeStats:
     `hits` counts admitted requests whose matched prefix ran through this node, so along any root
     path a parent's hits are >= its child's. `last_step` is the last admission through the node
     or write into it (insert); `created_step` breaks ties between equally valued nodes.
-    `prior` is the prefix-hit rate of the request that wrote the node (None: unknown, use the
-    tree-wide rate): the reuse evidence a node has before its own first hit. A continuation of a
-    cached conversation (hit rate ~0.9) writes KV its own next turn will reuse; a one-shot prompt
-    (hit rate 0) writes KV nobody has asked for yet. Without it, every fresh session turn would
-    look exactly like a one-shot prompt until its next turn arrives.
+    `prior` is the prefix-hit rate of the request that wrote the node (None: unknown): it names the
+    writer class whose observed reuse share prices the node before its own first hit
+    (cache/reuse_share.py). A continuation of a cached conversation (hit rate ~0.9) writes KV its
+    own next turn will likely reuse; a first turn or one-shot prompt (hit rate ~0) writes KV that
+    is reused as often as such KV has been, which the tree measures.
     """
 
     __slots__ = ("created_step", "hits", "last_step", "prior")

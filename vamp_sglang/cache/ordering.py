@@ -27,27 +27,22 @@ Priority = tuple[float, int, int]
 class CostOrder:
     """C_c and p_eff of a node under the configured coefficients, and SGLang's eviction heap key.
 
-    `observed_hit_rate` is the tree-wide rate, used for nodes whose writer's rate is unknown.
+    `prior` is the r_hit prior the tree prices the node with (cache/reuse_share.py).
     """
 
     coefficients: Coefficients
 
-    def cost_s(self, tokens: int, stats: NodeStats, now_step: int, observed_hit_rate: float) -> float:
+    def cost_s(self, tokens: int, stats: NodeStats, now_step: int, prior: float) -> float:
         """Eq. 2 for one node: what re-prefilling it would cost if it were evicted now."""
-        return cached_block_cost_s(tokens, stats.hits, stats.age_steps(now_step),
-                                   _rate(stats, observed_hit_rate), self.coefficients)
+        return cached_block_cost_s(tokens, stats.hits, stats.age_steps(now_step), prior, self.coefficients)
 
-    def priority(self, stats: NodeStats, now_step: int, observed_hit_rate: float) -> Priority:
+    def priority(self, stats: NodeStats, now_step: int, prior: float) -> Priority:
         """Smallest first: (p_eff of Eq. 1, last use step, creation step)."""
         # reuse_probability's expression inlined (the same floats; its argument checks hold by construction:
         # NodeStats keeps hits >= 0 and a prior in [0, 1], ages are clamped at 0): it runs per leaf priced
-        hits, last, rate = stats.hits, stats.last_step, _rate(stats, observed_hit_rate)
+        hits, last, rate = stats.hits, stats.last_step, prior
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"a hit rate must be in [0, 1] (got {rate!r})")
         c = self.coefficients
         age = now_step - last if now_step > last else 0
         return (c.alpha * ((hits + rate) / (hits + 1)) / (1.0 + age / c.tau_steps), last, stats.created_step)
-
-
-def _rate(stats: NodeStats, observed_hit_rate: float) -> float:
-    return observed_hit_rate if stats.prior is None else stats.prior

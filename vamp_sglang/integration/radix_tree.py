@@ -13,8 +13,10 @@ to the root; never at match: waiting requests are re-matched every round). We do
 insert-time `hit_count`: it drives HiCache's write-through threshold (changing it would change
 HiCache), write-back mode skips it, and only admission sees, in one place, the matched prefix AND
 the prompt length, which give the request's hit rate: the tree-wide rate of Eq. 1 (the runtime's
-one `AdmissionLedger`, which the tree reads) and the prior of the nodes this request then writes
-(`checkpoint_into_tree`, `NodeStats.prior`).
+one `AdmissionLedger`, which the tree reads) and the class of the nodes this request then writes
+(`checkpoint_into_tree`, `NodeStats.prior`): a never-hit node is priced with its writer class's
+observed reuse share (`ReuseShares`, cache/reuse_share.py), counted here from the tokens each class
+writes and the tokens whose node sees its first admitted hit.
 
 Hybrid models (a MAMBA component: Qwen3-Next's linear-attention state) follow SGLang's reuse rule
 (cache/hybrid.py): a match ends at the deepest node holding a state, so a stateless leaf is evicted
@@ -42,7 +44,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore, UnifiedTreeNode
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from vamp_sglang.cache import AdmissionLedger, CostOrder, LeafOrder, NodeStats, OrderedWalk
+from vamp_sglang.cache import AdmissionLedger, CostOrder, LeafOrder, NodeStats, OrderedWalk, ReuseShares
 
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
@@ -73,8 +75,9 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_order = order
         self.vamp_step_fn: Callable[[], int] = lambda: 0
         self.vamp_ledger = AdmissionLedger()  # replaced by the runtime's ledger once it exists
+        self.vamp_shares = ReuseShares()  # the priors of never-hit nodes, by writer class
         self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
-        self.vamp_priority_key: tuple[int, float] | None = None  # (step, tree-wide hit rate)
+        self.vamp_priority_key: tuple[int, int] | None = None  # (step, published priors' version)
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         self.vamp_leaf_order: LeafOrder | None = None  # set below where the order is p_eff's alone
@@ -107,7 +110,8 @@ class VampTreeCore(UnifiedTreeCore):
 
     def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool], live: bool = False) -> OrderedWalk:
         """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`)."""
-        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_ledger.hit_rate, self.vamp_priority,
+        self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
+        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published, self.vamp_priority,
                                          admits, live)
 
     def _vamp_evict_start(self, request_cnt: int) -> None:
@@ -138,12 +142,15 @@ class VampTreeCore(UnifiedTreeCore):
 
     @contextmanager
     def written_by(self, prior: float | None) -> Iterator[None]:
-        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats)."""
+        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats); the
+        tokens written count towards its class's reuse share."""
         self.vamp_write_prior = prior
+        cached_tokens = self.evictable_size() + self.protected_size()
         try:
             yield
         finally:
             self.vamp_write_prior = None
+            self.vamp_shares.wrote(prior, self.evictable_size() + self.protected_size() - cached_tokens)
 
     def _split_node(self, key: Any, child: UnifiedTreeNode, split_len: int) -> tuple:
         new_node, action = super()._split_node(key, child, split_len)
@@ -161,6 +168,8 @@ class VampTreeCore(UnifiedTreeCore):
         now = self.now_steps()
         node = self.node_by_id(node_id)
         while node is not None and node is not self.root_node:
+            if first and not node.vamp_stats.hits:
+                self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node))
             node.vamp_stats.admit(now, count_hit=first)
             self.vamp_priorities.pop(node.id, None)
             node = node.parent
@@ -183,26 +192,28 @@ class VampTreeCore(UnifiedTreeCore):
         users hold under VAMP too; with none set (all 0) the order is p_eff's alone."""
         if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
             return (0, node.priority, DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
-        key = (self.now_steps(), self.vamp_ledger.hit_rate)
+        now, shares = self.now_steps(), self.vamp_shares
+        key = (now, shares.refresh(self.vamp_ledger.hit_rate))
         if key != self.vamp_priority_key:
             self.vamp_priorities.clear()
             self.vamp_priority_key = key
         priority = self.vamp_priorities.get(node.id)
         if priority is None:
-            priority = self.vamp_priorities[node.id] = (1, node.priority,
-                                                        *self.vamp_order.priority(node.vamp_stats, *key))
+            stats = node.vamp_stats
+            priority = self.vamp_priorities[node.id] = (1, node.priority, *self.vamp_order.priority(
+                stats, now, shares.prior(stats.prior)))
         return priority
 
     def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
-        """The r_hit prior this node is priced with: its writer's rate, else the tree-wide rate."""
-        prior = node.vamp_stats.prior
-        return self.vamp_ledger.hit_rate if prior is None else prior
+        """The r_hit prior this node is priced with: its writer class's observed reuse share."""
+        self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
+        return self.vamp_shares.prior(node.vamp_stats.prior)
 
     def cost_of_losing_s(self, node: UnifiedTreeNode, lost_tokens: int) -> float:
         """C_c (Eq. 2) of `node` when its eviction makes `lost_tokens` unreachable (0: nothing lost)."""
         if not lost_tokens:
             return 0.0
-        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.vamp_ledger.hit_rate)
+        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.prior_hit_rate(node))
 
     def device_nodes(self) -> list[UnifiedTreeNode]:
         return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]

@@ -66,7 +66,7 @@ class EvictableBlock:
     tokens: int
     hits: int  # admitted requests that reused this node
     age_steps: int  # scheduler steps since its last use
-    prior_hit_rate: float  # r_hit prior of Eq. 1 the tree uses for this node (writer's rate or tree-wide)
+    prior_hit_rate: float  # r_hit prior of Eq. 1 the tree uses for this node (its writer class's observed reuse share)
     reprefill_tokens: int | None = None  # hybrid: tokens whose reuse its eviction ends (None: `tokens`)
     host_copy: bool = False  # HiCache holds a valid host copy: a later hit loads it instead of re-prefilling
 
