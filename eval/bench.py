@@ -20,7 +20,7 @@ import aiohttp
 from eval import client, server_metrics
 from eval.multiturn import MultiTurnSpec, add_shape_args, generate_multiturn, spec_from_args
 from eval.replay import Replayer, ReplayOptions
-from eval.stats import summarize
+from eval.stats import RequestRecord, summarize
 from eval.synth import TokenSpace
 from eval.trace_format import TraceRequest, load_trace, scale_request
 
@@ -76,8 +76,10 @@ def _tokenizer(info: dict[str, Any]) -> Any:
     return AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
 
 
-async def run_bench(spec: BenchSpec, options: ReplayOptions) -> dict[str, Any]:
-    """One run against a live server; returns the result dict that `--out` writes."""
+async def run_bench(spec: BenchSpec, options: ReplayOptions,
+                    records_out: list[list[RequestRecord]] | None = None) -> dict[str, Any]:
+    """One run against a live server; returns the result dict that `--out` writes. `records_out`: this run's
+    request records, output ids included (the JSON keeps only their digest), are appended to it."""
     trace = build_trace(spec)
     url = options.url
     timeout = aiohttp.ClientTimeout(total=options.request_timeout_s)
@@ -93,6 +95,8 @@ async def run_bench(spec: BenchSpec, options: ReplayOptions) -> dict[str, Any]:
         after = await server_metrics.fetch_metrics(http, url)
         vamp_after = await server_metrics.fetch_vamp_stats(http, url)
     records = replayer.records
+    if records_out is not None:
+        records_out.append(records)
     result: dict[str, Any] = summarize(records, duration_s) | server_metrics.counter_summary(before, after)
     if result["cache_hit_rate"] is None:  # server without --enable-metrics: fall back to usage reports
         result["cache_hit_rate"] = result["client_cache_hit_rate"]

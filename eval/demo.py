@@ -80,13 +80,15 @@ def demo_spec(args: argparse.Namespace) -> BenchSpec:
         block_tokens=32).validate())
 
 
-def serve_each(setup: ServerSetup, spec: BenchSpec, configs: list[ServerConfig], out_dir: Path) -> list[dict]:
-    """The same run against one server per configuration, in turn; each result is also saved as JSON."""
+def serve_each(setup: ServerSetup, spec: BenchSpec, configs: list[ServerConfig], out_dir: Path,
+               records_out: list | None = None) -> list[dict]:
+    """The same run against one server per configuration, in turn; each result is also saved as JSON.
+    `records_out`: each run's request records (with output ids) are appended to it, in run order."""
     results = []
     for config in configs:
         print(f"--- {config.name}: starting server ({' '.join(config.flags)})", flush=True)
         with Server(setup, config) as server:
-            result = asyncio.run(run_bench(spec, ReplayOptions(server.url)))
+            result = asyncio.run(run_bench(spec, ReplayOptions(server.url), records_out))
         (out_dir / f"{config.name}.json").write_text(json.dumps(result, indent=1))
         results.append(result)
     return results

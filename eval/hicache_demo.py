@@ -16,12 +16,10 @@ docs/hicache.md says which figures carry over.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
-from eval import bench, demo
+from eval import demo
 from eval.runners import BASELINE, TINY_MODEL, vamp
 from eval.servers import ServerConfig, ServerSetup, ensure_tiny_model
 from eval.stats import RequestRecord
@@ -86,24 +84,6 @@ def configs(ratio: float, hicache_ratio: float, unbounded_tokens: int) -> list[S
             ServerConfig(UNBOUNDED, BASELINE.flags + ("--max-total-tokens", str(unbounded_tokens)))]
 
 
-@contextlib.contextmanager
-def recorded_requests() -> Iterator[list[list[RequestRecord]]]:
-    """Each run's request records, with their output ids, in run order. run_bench keeps the ids only in its
-    digest, so its Replayer is swapped, for the runs inside this block, for one that keeps its records."""
-    runs: list[list[RequestRecord]] = []
-
-    class Recording(bench.Replayer):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            runs.append(self.records)
-
-    original, bench.Replayer = bench.Replayer, Recording
-    try:
-        yield runs
-    finally:
-        bench.Replayer = original
-
-
 def _differences(names: list[str], results: list[dict]) -> list[str]:
     if not results or not results[-1]["vs_unbounded"]["reference"]:
         return [f"  no {UNBOUNDED} run: outputs not compared request by request"]
@@ -159,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         if unknown := set(wanted) - {c.name for c in runs}:
             parser.error(f"--only: no configuration {', '.join(sorted(unknown))} (have {', '.join(c.name for c in runs)})")
         runs = [c for c in runs if c.name in wanted]
-    with recorded_requests() as records:
-        results = demo.serve_each(setup, demo.demo_spec(args), runs, out_dir)
+    records: list[list[RequestRecord]] = []
+    results = demo.serve_each(setup, demo.demo_spec(args), runs, out_dir, records)
     for config, result, recs in zip(runs, results, records, strict=True):
         result["vs_unbounded"] = compare(recs, records[-1] if runs[-1].name == UNBOUNDED else None)
         (out_dir / f"{config.name}.vs-unbounded.json").write_text(json.dumps(result["vs_unbounded"], indent=1))

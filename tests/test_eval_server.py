@@ -15,6 +15,7 @@ from eval.bench import BenchSpec, run_bench
 from eval.multiturn import MultiTurnSpec
 from eval.replay import ReplayOptions
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model
+from eval.stats import outputs_digest
 
 pytestmark = pytest.mark.server
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
@@ -32,9 +33,9 @@ def server(tmp_path_factory):
         yield running
 
 
-def _bench(server, spec=SMALL, api="generate", **options):
+def _bench(server, spec=SMALL, api="generate", records_out=None, **options):
     bench = BenchSpec("multiturn", multiturn=spec)
-    return asyncio.run(run_bench(bench, ReplayOptions(server.url, api, progress=False, **options)))
+    return asyncio.run(run_bench(bench, ReplayOptions(server.url, api, progress=False, **options), records_out))
 
 
 def _flush(server):
@@ -62,10 +63,14 @@ def test_closed_loop_multiturn_run(server):
 
 def test_greedy_outputs_identical_with_and_without_cache(server):
     _flush(server)
-    cold = _bench(server)
-    warm = _bench(server)  # same prompts, now served from the prefix cache
+    records = []
+    cold = _bench(server, records_out=records)
+    warm = _bench(server, records_out=records)  # same prompts, now served from the prefix cache
     assert warm["cache_hit_rate"] > cold["cache_hit_rate"]
     assert warm["outputs_digest"] == cold["outputs_digest"]
+    # each run's records, output ids included, in run order (what eval.hicache_demo compares request by request)
+    assert [outputs_digest(run) for run in records] == [cold["outputs_digest"], warm["outputs_digest"]]
+    assert all(len(r.output_ids) == 8 for r in records[0])
     other = _bench(server, replace(SMALL, first_turn_tokens=65))
     assert other["outputs_digest"] != cold["outputs_digest"]
 
