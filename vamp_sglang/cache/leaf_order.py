@@ -120,13 +120,21 @@ class LeafOrder:
 
     def prepare(self, priors: dict[int | None, float]) -> None:
         """Before a walk: re-bucket the nodes of each writer class whose published prior moved, file the
-        deferred entries, drop dead ones."""
+        deferred entries, drop dead ones (at every heap's top; all of them once they outnumber the live)."""
         moved = [cls for cls, prior in priors.items() if self.priors.get(cls) != prior]
         self.priors = dict(priors)
         for cls in moved:
             for node_id in list(self.by_class.get(cls, ())):
                 self.place(self.entries[node_id][1][3], force=True)
         self.flush()
+        entries = self.entries
+        for heap in self.buckets.values():  # every walk reads from the tops: drop the dead entries there, once
+            while heap:
+                current = entries.get(heap[0][2])
+                if current is not None and current[1] is heap[0]:
+                    break
+                heapq.heappop(heap)
+                self.dead -= 1
         if self.dead > len(self.entries) + 64:
             self.buckets = {}
             for key, entry, _ in self.entries.values():
