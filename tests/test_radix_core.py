@@ -4,9 +4,11 @@ import argparse
 import math
 
 import pytest
+import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
@@ -147,6 +149,26 @@ def test_a_first_turn_outlives_stale_reused_kv_where_first_turns_are_continued()
     cache.evict(EvictParams(num_tokens=1))
     assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(500, 520))))).device_prefix_len == 0
     assert cache.match_prefix(MatchPrefixParams(key=key_of(list(range(600, 620))))).device_prefix_len == 20
+
+
+def test_kv_an_insert_gives_back_to_a_host_only_node_counts_for_that_nodes_writer():
+    """HiCache: a host-only node re-filled by an insert keeps its first writer and its class; its tokens are not
+    written again by the request inserting now (the host copy is attached by hand, as write-through would)."""
+    cache, allocator = build_cache(page_size=1)
+    core = radix_tree.tree_core_of(cache)
+    tokens = list(range(100, 120))
+    with core.written_by(0.0):  # a first turn writes 20 tokens
+        insert(cache, allocator, tokens)
+    node = node_for(cache, tokens)
+    node.component_data[ComponentType.FULL].host_value = torch.arange(20)
+    cache.evict(EvictParams(num_tokens=20))
+    assert node.evicted and node.backuped
+    with core.written_by(0.9):  # a continuation re-prefills them; the insert gives the node its device KV back
+        insert(cache, allocator, tokens)
+    assert not node.evicted and node.vamp_stats.prior == 0.0
+    admit(cache, tokens + [1])
+    assert core.vamp_shares.written_tokens == [20, 0, 0, 0]
+    assert core.vamp_shares.reused_tokens == [20, 0, 0, 0]
 
 
 def scenario(policy: str) -> tuple[set, dict]:

@@ -1,4 +1,4 @@
-"""The prior r_hit of a node never hit yet (Eq. 1): the observed reuse share of KV like it.
+"""The prior in Eq. 1's r_hit = (hits + prior) / (hits + 1): the observed reuse share of KV like the node's.
 
 Eq. 1 estimates r_hit per node as (hits + prior) / (hits + 1); the prior is all it has before its
 first hit. We used to take the writing request's own prefix-hit rate as that prior, on the reasoning

@@ -29,7 +29,7 @@ eviction SGLang runs (its FULL component's device walk, replaced on this tree) t
 exactly the order SGLang's heap over every leaf would give, pricing only the leaves near the front.
 Trees where that order is not ours alone keep SGLang's heap: hybrid trees (states come and go
 outside the leaf set), session-ref ordering, and eviction policies other than `vamp`. Priorities are
-memoised per node for the current step and tree-wide hit rate (a node's own change drops its entry),
+memoised per node for the current step and published priors (a node's own change drops its entry),
 so the planner's walk and the eviction that follows share one computation.
 """
 
@@ -80,6 +80,7 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_priority_key: tuple[int, int] | None = None  # (step, published priors' version)
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
+        self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
         self.vamp_leaf_order: LeafOrder | None = None  # set below where the order is p_eff's alone
         self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
         super().__init__(params, components)
@@ -145,12 +146,19 @@ class VampTreeCore(UnifiedTreeCore):
         """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats); the
         tokens written count towards its class's reuse share."""
         self.vamp_write_prior = prior
-        cached_tokens = self.evictable_size() + self.protected_size()
+        cached_tokens, restored_tokens = self.evictable_size() + self.protected_size(), self.vamp_restored_tokens
         try:
             yield
         finally:
             self.vamp_write_prior = None
-            self.vamp_shares.wrote(prior, self.evictable_size() + self.protected_size() - cached_tokens)
+            restored = self.vamp_restored_tokens - restored_tokens  # its writer's, counted when it was written
+            self.vamp_shares.wrote(prior, self.evictable_size() + self.protected_size() - cached_tokens - restored)
+
+    def _unevict_node_on_insert(self, node: UnifiedTreeNode, fresh_value: Any, session_id: Any = None) -> None:
+        """An insert re-fills a host-only node's device KV: the node keeps its first writer, and its tokens
+        count for that writer's class, not for the request inserting now (written_by leaves them out)."""
+        super()._unevict_node_on_insert(node, fresh_value, session_id)
+        self.vamp_restored_tokens += self.node_tokens(node)
 
     def _split_node(self, key: Any, child: UnifiedTreeNode, split_len: int) -> tuple:
         new_node, action = super()._split_node(key, child, split_len)
