@@ -52,6 +52,15 @@ class ServerError(RuntimeError):
     """The server did not become healthy; the message carries the tail of its log."""
 
 
+class PortTaken(ServerError):
+    """The HTTP port was free when picked but taken before the server bound it (SGLang's own processes pick
+    free ports for their sockets too, and one can land on ours); the server then hangs instead of exiting."""
+
+
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = "error while attempting to bind on address"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -117,7 +126,25 @@ class Server:
             fcntl.flock(self._lock, fcntl.LOCK_EX)
 
     def start(self) -> Server:
-        self._acquire_lock()
+        """Launch and wait until healthy; a port taken under us is retried on a fresh one."""
+        for attempt in range(PORT_ATTEMPTS):
+            self._acquire_lock()
+            try:
+                self._launch()
+                return self
+            except PortTaken:
+                self.stop()
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+                print(f"port {self.port} was taken while {self.config.name!r} started; retrying on another",
+                      file=sys.stderr, flush=True)
+                self.port = free_port()
+            except BaseException:
+                self.stop()
+                raise
+        return self  # not reached: the last attempt returns or raises
+
+    def _launch(self) -> None:
         log_dir = Path(self.setup.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{self.config.name}-{self.port}.log"
@@ -128,12 +155,7 @@ class Server:
             log.flush()
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.setup.startup_timeout_s
@@ -141,6 +163,8 @@ class Server:
             if self.process.poll() is not None:
                 raise ServerError(f"server {self.config.name!r} exited with code {self.process.returncode}; "
                                   f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+            if _PORT_TAKEN in _log_tail(self.log_path):
+                raise PortTaken(f"server {self.config.name!r}: port {self.port} taken; log {self.log_path}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
