@@ -1,7 +1,7 @@
 """The value-aware radix cache's logic, kept free of SGLang and torch so it is testable alone.
 
 Per-node reuse statistics (`NodeStats`), the admission ledger behind the observed hit rate and the
-observed reuse shares that price never-hit nodes (`ReuseShares`), the
+observed reuse shares that give each node its r_hit prior (`ReuseShares`), the
 eviction order (`CostOrder`: lowest p_eff of Eq. 1 first, priced by C_c of Eq. 2), the read-only walk that predicts what an eviction
 would free and cost (`walk`), the order kept between shortfalls (`leaf_order`), what evicting from a hybrid model's cache loses (`hybrid`), and the
 histograms `/vamp/stats` reports. The SGLang tree these

@@ -91,8 +91,8 @@ class LeafOrder:
             return False
         priority, hits, last, created, writer_rate = described
         cls = writer_class(writer_rate)
-        if old is not None and writer_class(old[2][4]) != cls:
-            self.by_class[writer_class(old[2][4])].discard(node.id)
+        if old is not None and (old_cls := writer_class(old[2][4])) != cls:
+            self.by_class[old_cls].discard(node.id)
         self.by_class.setdefault(cls, set()).add(node.id)
         rho = self.priors.get(cls, 0.0)  # 0 bounds every prior; re-filed once the class is published
         key = (priority, bucket_of((hits + rho) / (hits + 1)))

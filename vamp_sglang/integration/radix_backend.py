@@ -51,7 +51,7 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
         "age_histogram_steps": pow2_histogram((n.vamp_stats.age_steps(now) for n in nodes),
                                               AGE_HISTOGRAM_TOP_STEPS),
         "evicted_tokens": core.vamp_evicted_tokens,
-        "reuse_by_writer_hit_rate": core.vamp_shares.snapshot(),  # the priors of never-hit nodes (Eq. 1)
+        "reuse_by_writer_hit_rate": core.vamp_shares.snapshot(),  # the r_hit priors of Eq. 1, by writer class
     }
 
 

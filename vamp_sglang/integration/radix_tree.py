@@ -14,7 +14,7 @@ insert-time `hit_count`: it drives HiCache's write-through threshold (changing i
 HiCache), write-back mode skips it, and only admission sees, in one place, the matched prefix AND
 the prompt length, which give the request's hit rate: the tree-wide rate of Eq. 1 (the runtime's
 one `AdmissionLedger`, which the tree reads) and the class of the nodes this request then writes
-(`checkpoint_into_tree`, `NodeStats.prior`): a never-hit node is priced with its writer class's
+(`checkpoint_into_tree`, `NodeStats.prior`): a node's r_hit prior is its writer class's
 observed reuse share (`ReuseShares`, cache/reuse_share.py), counted here from the tokens each class
 writes and the tokens whose node sees its first admitted hit.
 
@@ -75,7 +75,7 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_order = order
         self.vamp_step_fn: Callable[[], int] = lambda: 0
         self.vamp_ledger = AdmissionLedger()  # replaced by the runtime's ledger once it exists
-        self.vamp_shares = ReuseShares()  # the priors of never-hit nodes, by writer class
+        self.vamp_shares = ReuseShares()  # the r_hit priors of nodes, by writer class
         self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
         self.vamp_priority_key: tuple[int, int] | None = None  # (step, published priors' version)
         self.vamp_evicted_tokens = 0
