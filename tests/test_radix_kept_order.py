@@ -136,3 +136,21 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
         now_step[0] = step
         walk = kept.walk(step, dict(priors), exact, lambda n: True)
         assert [n.id for n in walk] == [n.id for n in sorted(live.values(), key=lambda n: (exact(n), n))]
+
+
+def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
+    """An evicted node must be freed when SGLang drops it, not later by the next walk popping its dead
+    entry (freeing a node frees its KV index tensor: measured at ~80 us, charged to the next decision)."""
+    import gc
+    import weakref
+
+    kept = LeafOrder(1.0, 2000.0, _describe)
+    nodes = [_Node(i, NodeStats(i, 0, i, None), 0) for i in range(3)]
+    for node in nodes:
+        kept.add(node)
+    kept.prepare({})  # filed in the heaps
+    gone = weakref.ref(nodes[0])
+    kept.discard(nodes.pop(0))
+    gc.collect()
+    assert gone() is None
+    assert [n.id for n in kept.walk(10, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]

@@ -58,7 +58,9 @@ class LeafOrder:
     def __init__(self, alpha: float, tau_steps: float, describe: Describe) -> None:
         self.alpha, self.tau_steps, self.describe = alpha, tau_steps, describe
         self.buckets: dict[tuple[int, int], list[tuple]] = {}  # (priority, bucket) -> heap of entries
-        self.entries: dict[int, tuple[tuple[int, int], tuple, tuple]] = {}  # id -> (bucket key, entry, described)
+        # id -> (bucket key, heap entry, described, node); heap entries are (last, created, id) and never hold
+        # the node, so a node SGLang drops is freed then, not when a later walk pops its dead entry
+        self.entries: dict[int, tuple[tuple[int, int], tuple, tuple, Any]] = {}
         self.dead = 0  # entries left in a heap after their node left or was re-bucketed
         self.deferred: list[tuple] = []  # (bucket key, entry) not yet in a heap
         self.by_class: dict[int | None, set[int]] = {}  # writer class -> ids of its nodes
@@ -96,10 +98,10 @@ class LeafOrder:
         self.by_class.setdefault(cls, set()).add(node.id)
         rho = self.priors.get(cls, 0.0)  # 0 bounds every prior; re-filed once the class is published
         key = (priority, bucket_of((hits + rho) / (hits + 1)))
-        entry = (last, created, node.id, node)
+        entry = (last, created, node.id)
         if old is not None:
             self.dead += 1
-        self.entries[node.id] = (key, entry, described)
+        self.entries[node.id] = (key, entry, described, node)
         self.deferred.append((key, entry))
         return True
 
@@ -125,7 +127,7 @@ class LeafOrder:
         self.priors = dict(priors)
         for cls in moved:
             for node_id in list(self.by_class.get(cls, ())):
-                self.place(self.entries[node_id][1][3], force=True)
+                self.place(self.entries[node_id][3], force=True)
         self.flush()
         entries = self.entries
         for heap in self.buckets.values():  # every walk reads from the tops: drop the dead entries there, once
@@ -137,7 +139,7 @@ class LeafOrder:
                 self.dead -= 1
         if self.dead > len(self.entries) + 64:
             self.buckets = {}
-            for key, entry, _ in self.entries.values():
+            for key, entry, _, _ in self.entries.values():
                 self.buckets.setdefault(key, []).append(entry)
             for heap in self.buckets.values():
                 heapq.heapify(heap)
@@ -199,9 +201,11 @@ class OrderedWalk:
             if child < len(heap):
                 heapq.heappush(self.frontier, (order.bound(key, heap[child], self.now), key, child))
         entry = heap[i]
-        node = entry[3]
-        current = order.entries.get(node.id)
-        if current is None or current[1] is not entry or node.id in self.seen or not self.admits(node):
+        current = order.entries.get(entry[2])
+        if current is None or current[1] is not entry or entry[2] in self.seen:
+            return
+        node = current[3]
+        if not self.admits(node):
             return
         if current[2] != order.describe(node):
             order.place(node)  # grew since bucketed: refiled for later walks (still a bound for this one)
