@@ -25,10 +25,10 @@ $(STAMP): pyproject.toml
 
 # The suite in two halves: `test` under 10 minutes here, `test-long` (the multi-server modules) about 24; CI (.ci/run) runs both.
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not long"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not long" --durations=15
 
 test-long: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m long
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m long --durations=15
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not server"
