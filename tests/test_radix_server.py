@@ -19,7 +19,7 @@ import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (two servers)
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 POOL_TOKENS = 1536
 SESSIONS, QUIET_ROUNDS, ROUNDS = 3, 2, 6
