@@ -7,6 +7,9 @@ the kept structure gives must be the one a heap over every evictable leaf gives 
 `cache.walk.eviction_order`), and every eviction must take exactly the nodes the full re-sort predicts.
 """
 
+import gc
+import weakref
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -141,9 +144,6 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
 def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
     """An evicted node must be freed when SGLang drops it, not later by the next walk popping its dead
     entry (freeing a node frees its KV index tensor: measured at ~80 us, charged to the next decision)."""
-    import gc
-    import weakref
-
     kept = LeafOrder(1.0, 2000.0, _describe)
     nodes = [_Node(i, NodeStats(i, 0, i, None), 0) for i in range(3)]
     for node in nodes:
