@@ -118,7 +118,7 @@ def test_a_fresh_continuation_outlives_a_newer_one_shot_prompt_where_one_shots_w
     one_shot_prior, continuation_prior = core.prior_hit_rate(node_for(cache, list(range(600, 620)))), \
         core.prior_hit_rate(node_for(cache, list(range(500, 520))))
     # priced with their classes' observed shares, shrunk towards the tree-wide rate (every admission hit: 1.0),
-    # as published: within one eviction-order bucket (2^(1/8)) of the share itself
+    # as published: within one publishing step (2^(1/8)) of the share itself
     assert shares.share(0, 1.0) == pytest.approx(1024 / (1300 + 1024))
     assert abs(math.log2(one_shot_prior / shares.share(0, 1.0))) <= 1 / 8
     assert continuation_prior == pytest.approx(1.0)

@@ -154,3 +154,29 @@ def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
     gc.collect()
     assert gone() is None
     assert [n.id for n in kept.walk(10, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]
+
+
+WRITER, PRIOR = 0.9, 0.84  # a writer class and the prior published for it
+
+
+def test_a_walk_prices_few_leaves_beyond_those_it_yields():
+    """Equally hit leaves of every age: the first ten out should not cost a pricing of a hundred. A walk
+    prices every leaf whose bound falls below the one it yields, and a bound is short of its leaf's p_eff by
+    at most its bucket's width, so leaves within that width of the oldest's p_eff are priced too."""
+    order_of = CostOrder(Coefficients())
+    # r_hit = the prior 0.84, just below a 2^(1/8) edge (2^(-1/4) = 0.8409): the widest gap a bucket can leave
+    tau = order_of.coefficients.tau_steps
+    leaves = [_Node(i, NodeStats(int(i * 4 * tau / 1000), 0, 0, WRITER), 0) for i in range(1000)]
+    now, priced = int(4 * tau), []
+
+    def exact(node):
+        priced.append(node.id)
+        return (1, node.priority, *order_of.priority(node.vamp_stats, now, PRIOR))
+
+    kept = LeafOrder(order_of.coefficients.alpha, tau, _describe)
+    for leaf in leaves:
+        kept.add(leaf)
+    walk = kept.walk(now, {writer_class(WRITER): PRIOR}, exact, lambda n: True)
+    first = [next(walk).id for _ in range(10)]
+    assert first == list(range(10))  # the oldest first
+    assert len(priced) <= 30, f"{len(priced)} leaves priced to yield 10"

@@ -29,7 +29,7 @@ def test_a_class_without_evidence_starts_at_the_tree_wide_rate_and_moves_to_what
     assert row == {"written_tokens": 3 * PSEUDO_TOKENS, "reused_tokens": PSEUDO_TOKENS, "prior": shares.prior(0.0)}
 
 
-def test_published_priors_move_only_past_one_order_bucket():
+def test_published_priors_move_only_past_one_publishing_step():
     shares = ReuseShares()
     version = shares.refresh(0.5)
     assert shares.refresh(0.52) == version and shares.prior(None) == 0.5  # within 2^(1/8): kept

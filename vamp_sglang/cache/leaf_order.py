@@ -4,7 +4,7 @@ p_eff (Eq. 1) = alpha * r_hit / (1 + age / tau) decays hyperbolically, and two n
 time passes (a warm old node and a cold fresh one swap), so no key fixed at insertion orders nodes by
 p_eff at every later step. What is invariant: for nodes with the same r_hit, p_eff at any step is
 non-decreasing in the last-use step, and r_hit itself only changes when the node's own statistics do.
-So the leaves are kept in buckets of similar r_hit (geometric, 2^(1/8) wide, plus an exact bucket for
+So the leaves are kept in buckets of similar r_hit (geometric, 2^(1/128) wide, plus an exact bucket for
 r_hit = 0), each a heap by (last_step, created_step, id); a bucket's lower edge r_low gives every
 member a LOWER BOUND of its p_eff at any step, LB = alpha * r_low / (1 + age / tau) (the same float
 expression as Eq. 1 with a smaller r, so never above the real value), non-decreasing in the bucket's
@@ -13,13 +13,16 @@ frontier heap and moves them into an exact heap keyed by the tree's real priorit
 the exact heap's head only once that head is below every bound not yet taken. Since each bound is at
 most its node's real key, the order is the full re-sort's exactly (`tests/test_cache_leaf_order.py`
 checks it against SGLang's heap on random operation sequences), at the cost of the nodes whose bound
-falls below the last one evicted, not of every leaf.
+falls below the last one evicted, not of every leaf: those within one bucket width (0.5%) of its p_eff. Buckets
+2^(1/8) wide priced ten times the leaves a walk yields where many leaves share an r_hit (27 pricings per
+256-token eviction in `eval.bench_tree`'s drain, 3.1 at 2^(1/128)); a bucket holds only equal or nearly equal
+r_hit values (hits and writer classes are few), so narrower ones add few buckets (2.8 to 3.8 per walk there).
 
 Entries go stale in the safe direction only: a node's hits, last step and request priority only grow,
 so an old entry still bounds it from below; the walk refreshes one it finds stale. A never-hit node's
 prior is its writer class's published reuse share (cache/reuse_share.py), which can fall, so a class's
 nodes are re-bucketed when its published prior moved since they were bucketed (rarely: shares are
-published in steps of one bucket).
+published in steps of 2^(1/8), sixteen buckets).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 from vamp_sglang.cache.reuse_share import writer_class
 
-BUCKETS_PER_OCTAVE = 8
+BUCKETS_PER_OCTAVE = 128  # a bound is within 0.5% of its leaf's r_hit
 ZERO_BUCKET = -(10 ** 9)  # r_hit == 0: p_eff is 0 at every step, the bound is exact
 _SAFETY = 1.0 - 2.0 ** -40  # r_low below every r_hit of its bucket despite rounding
 

@@ -15,7 +15,7 @@ admitted hit), give that class's observed reuse share, shrunk towards the tree-w
 rate still separates classes: where one-shot prompts are never reused their class's share falls to
 ~0 and they go first, as before; where first turns are continued, theirs is what it is.
 
-Published shares move in steps of one eviction-order bucket (2^(1/8), `cache.leaf_order`) with
+Published shares move in steps of 2^(1/8) (sixteen eviction-order buckets, `cache.leaf_order`) with
 hysteresis, so the order kept between shortfalls re-files a class's nodes rarely, not at every
 admission. Everything here counts admissions and inserts, which are the same on every TP rank.
 """
@@ -26,7 +26,7 @@ import math
 
 CLASSES = 4  # writer hit rate in [0, 0.25), [0.25, 0.5), [0.5, 0.75), [0.75, 1]
 PSEUDO_TOKENS = 1024  # evidence the tree-wide rate counts as, per class
-_STEP_LOG2 = 1.0 / 8  # one eviction-order bucket; a published share moves only past it
+_STEP_LOG2 = 1.0 / 8  # a published share moves only past 2^(1/8)
 
 
 def writer_class(writer_rate: float | None) -> int | None:
