@@ -156,7 +156,9 @@ def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
     assert [n.id for n in kept.walk(10, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]
 
 
-WRITER, PRIOR = 0.9, 0.84  # a writer class and the prior published for it
+# a writer class and the prior published for it: r_hit = 0.84 lies just below a 2^(1/8) bucket edge
+# (2^(-1/4) = 0.8409), the widest gap a bucket of the old width could leave between bound and value
+WRITER, PRIOR = 0.9, 0.84
 
 
 def test_a_walk_prices_few_leaves_beyond_those_it_yields():
@@ -164,7 +166,6 @@ def test_a_walk_prices_few_leaves_beyond_those_it_yields():
     prices every leaf whose bound falls below the one it yields, and a bound is short of its leaf's p_eff by
     at most its bucket's width, so leaves within that width of the oldest's p_eff are priced too."""
     order_of = CostOrder(Coefficients())
-    # r_hit = the prior 0.84, just below a 2^(1/8) edge (2^(-1/4) = 0.8409): the widest gap a bucket can leave
     tau = order_of.coefficients.tau_steps
     leaves = [_Node(i, NodeStats(int(i * 4 * tau / 1000), 0, 0, WRITER), 0) for i in range(1000)]
     now, priced = int(4 * tau), []
