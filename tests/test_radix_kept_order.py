@@ -104,13 +104,16 @@ class _Node:
        st.integers(0, 8000))
 @settings(max_examples=150, deadline=None)
 def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
-    """Many leaves, statistics that grow, leaves that leave, time and the writer classes' priors moving."""
+    """Many leaves, statistics that grow, leaves that leave, time (deadlines of expected-back leaves passing)
+    and the writer classes' priors and reuse intervals moving."""
     order_of = CostOrder(Coefficients())
     priors = {cls: 0.4 for cls in (None, *range(CLASSES))}
+    gaps = {}
 
     def exact(node):
         stats = node.vamp_stats
-        return (1, node.priority, *order_of.priority(stats, now_step[0], priors[writer_class(stats.prior)]))
+        cls = writer_class(stats.prior)
+        return (1, node.priority, *order_of.priority(stats, now_step[0], priors[cls], gaps.get(cls)))
 
     kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
     live, now_step = {}, [0]
@@ -119,8 +122,11 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
         kept.add(live[i])
     for target, op, amount in ops:
         node = live.get(target)
-        if op == "rate":  # one class's published prior moves
-            priors[[None, *range(CLASSES)][amount % (CLASSES + 1)]] = (amount % 11) / 10
+        if op == "rate":  # one class's published prior and reuse interval move
+            cls = [None, *range(CLASSES)][amount % (CLASSES + 1)]
+            priors[cls] = (amount % 11) / 10
+            if cls is not None:
+                gaps[cls] = float(amount % 1700)
             continue
         if node is None:
             continue
@@ -133,11 +139,10 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
             node.vamp_stats.touch(node.vamp_stats.last_step + amount)
         else:
             node.priority += 1
-        if amount % 3:  # some changes reach the order (SGLang re-adds the leaf), others it finds stale
-            kept.add(node)
+        kept.add(node)  # the tree re-files a leaf whose statistics change (leaf_order's contract)
     for step in (now, now + 2500, now + 40000):
         now_step[0] = step
-        walk = kept.walk(step, dict(priors), exact, lambda n: True)
+        walk = kept.walk(step, dict(priors), dict(gaps), exact, lambda n: True)
         assert [n.id for n in walk] == [n.id for n in sorted(live.values(), key=lambda n: (exact(n), n))]
 
 
@@ -148,12 +153,12 @@ def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
     nodes = [_Node(i, NodeStats(i, 0, i, None), 0) for i in range(3)]
     for node in nodes:
         kept.add(node)
-    kept.prepare({})  # filed in the heaps
+    kept.prepare(0, {}, {})  # filed in the heaps
     gone = weakref.ref(nodes[0])
     kept.discard(nodes.pop(0))
     gc.collect()
     assert gone() is None
-    assert [n.id for n in kept.walk(10, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]
+    assert [n.id for n in kept.walk(10, {}, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]
 
 
 # a writer class and the prior published for it: r_hit = 0.84 lies just below a 2^(1/8) bucket edge
@@ -177,7 +182,7 @@ def test_a_walk_prices_few_leaves_beyond_those_it_yields():
     kept = LeafOrder(order_of.coefficients.alpha, tau, _describe)
     for leaf in leaves:
         kept.add(leaf)
-    walk = kept.walk(now, {writer_class(WRITER): PRIOR}, exact, lambda n: True)
+    walk = kept.walk(now, {writer_class(WRITER): PRIOR}, {}, exact, lambda n: True)
     first = [next(walk).id for _ in range(10)]
     assert first == list(range(10))  # the oldest first
     assert len(priced) <= 30, f"{len(priced)} leaves priced to yield 10"

@@ -15,9 +15,12 @@ admitted hit), give that class's observed reuse share, shrunk towards the tree-w
 rate still separates classes: where one-shot prompts are never reused their class's share falls to
 ~0 and they go first, as before; where first turns are continued, theirs is what it is.
 
-Published shares move in steps of 2^(1/8) (sixteen eviction-order buckets, `cache.leaf_order`) with
-hysteresis, so the order kept between shortfalls re-files a class's nodes rarely, not at every
-admission. Everything here counts admissions and inserts, which are the same on every TP rank.
+Each class's first hits also give its mean steps from write to first hit: the reuse interval a
+never-hit node of the class is expected back after (cache/ordering.py).
+
+Published shares and intervals move in steps of 2^(1/8) with hysteresis, so the order kept between
+shortfalls (`cache.leaf_order`) re-files a class's nodes rarely, not at every admission. Everything
+here counts admissions and inserts, which are the same on every TP rank.
 """
 
 from __future__ import annotations
@@ -37,15 +40,20 @@ def writer_class(writer_rate: float | None) -> int | None:
 
 
 class ReuseShares:
-    """Per writer class: tokens written, tokens reused; the published prior of each class."""
+    """Per writer class: tokens written, tokens reused, first hits and their steps since the write; the
+    published prior and reuse interval of each class."""
 
-    __slots__ = ("published", "refreshed_at", "reused_tokens", "version", "written_tokens")
+    __slots__ = ("first_hit_steps", "first_hits", "published", "published_gaps", "refreshed_at", "reused_tokens",
+                 "version", "written_tokens")
 
     def __init__(self) -> None:
         self.written_tokens = [0] * CLASSES
         self.reused_tokens = [0] * CLASSES
+        self.first_hits = [0] * CLASSES  # nodes of the class hit for the first time
+        self.first_hit_steps = [0] * CLASSES  # their steps from write to that hit, summed
         self.published: dict[int | None, float] = {}  # class (None: unknown writer) -> prior
-        self.version = 0  # bumped whenever a published prior moves
+        self.published_gaps: dict[int | None, float] = {}  # class -> mean steps to a first hit (absent: none seen)
+        self.version = 0  # bumped whenever a published prior or interval moves
         self.refreshed_at: float | None = None  # the tree rate of the last refresh; None: counts moved since
 
     def wrote(self, writer_rate: float | None, tokens: int) -> None:
@@ -54,11 +62,13 @@ class ReuseShares:
             self.written_tokens[cls] += tokens
             self.refreshed_at = None
 
-    def reused(self, writer_rate: float | None, tokens: int) -> None:
-        """`tokens` written by this writer class were hit for the first time."""
+    def reused(self, writer_rate: float | None, tokens: int, steps_since_write: int) -> None:
+        """A node of `tokens` written by this writer class `steps_since_write` ago was hit for the first time."""
         cls = writer_class(writer_rate)
         if cls is not None and tokens > 0:
             self.reused_tokens[cls] += tokens
+            self.first_hits[cls] += 1
+            self.first_hit_steps[cls] += max(steps_since_write, 0)
             self.refreshed_at = None
 
     def share(self, cls: int | None, tree_rate: float) -> float:
@@ -69,7 +79,7 @@ class ReuseShares:
         return (reused + PSEUDO_TOKENS * tree_rate) / (self.written_tokens[cls] + PSEUDO_TOKENS)
 
     def refresh(self, tree_rate: float) -> int:
-        """Re-publish every class whose share left its bucket; returns `version`."""
+        """Re-publish every class whose share or interval left its bucket; returns `version`."""
         if self.refreshed_at == tree_rate:
             return self.version
         self.refreshed_at = tree_rate
@@ -78,11 +88,33 @@ class ReuseShares:
             if old is None or _moved(old, share):
                 self.published[cls] = share
                 self.version += 1
+            gap, old_gap = self.steps_to_first_hit(cls), self.published_gaps.get(cls)
+            if gap is None and old_gap is not None:
+                del self.published_gaps[cls]
+                self.version += 1
+            elif gap is not None and (old_gap is None or _moved(old_gap, gap)):
+                self.published_gaps[cls] = gap
+                self.version += 1
         return self.version
+
+    def steps_to_first_hit(self, cls: int | None) -> float | None:
+        """The class's mean steps from write to first hit, unquantised. A class (or unknown writer) with none
+        seen takes every class's together while it has written less than `PSEUDO_TOKENS`, as its prior leans on
+        the tree-wide rate; past that, none seen means its KV is not reused (None, as with no first hit at all)."""
+        if cls is not None and self.first_hits[cls]:
+            return self.first_hit_steps[cls] / self.first_hits[cls]
+        if cls is not None and self.written_tokens[cls] >= PSEUDO_TOKENS:
+            return None
+        hits = sum(self.first_hits)
+        return sum(self.first_hit_steps) / hits if hits else None
 
     def prior(self, writer_rate: float | None) -> float:
         """The published prior of a node written by a request with `writer_rate` (refresh first)."""
         return self.published[writer_class(writer_rate)]
+
+    def gap_steps(self, writer_rate: float | None) -> float | None:
+        """The published mean steps to a first hit of the node's class (None: none seen)."""
+        return self.published_gaps.get(writer_class(writer_rate))
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         """For /vamp/stats: per class, tokens written and reused and the prior in use."""
@@ -91,7 +123,7 @@ class ReuseShares:
             low = cls / CLASSES
             out[f"{low:.2f}-{low + 1 / CLASSES:.2f}"] = {
                 "written_tokens": self.written_tokens[cls], "reused_tokens": self.reused_tokens[cls],
-                "prior": self.published.get(cls)}
+                "prior": self.published.get(cls), "steps_to_first_hit": self.published_gaps.get(cls)}
         return out
 
 

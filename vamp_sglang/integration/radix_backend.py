@@ -3,7 +3,7 @@
 Registration goes through SGLang's own registries (`install`, run in every SGLang process):
 
     --radix-cache-backend vamp      VampUnifiedRadixCache over VampTreeCore (stats, estimates)
-    --radix-eviction-policy vamp    evict lowest p_eff first (Eq. 1, cache/ordering.py); needs the backend
+    --radix-eviction-policy vamp    evict in the tree's order (Eq. 1 extended, cache/ordering.py); needs the backend
 
 Once a scheduler has built its tree, `setup_scheduler` binds it to that process: ages in the
 scheduler's steps (`forward_ct`, the unit of Eq. 1's tau), the runtime's one hit-rate ledger (so

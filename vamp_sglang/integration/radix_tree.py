@@ -4,8 +4,9 @@ SGLang 0.5.23 builds `UnifiedRadixCache` over a pluggable tree core; its default
 only the eight built-in eviction policies by name, so `VampTreeCore` subclasses the Python core
 (`UnifiedTreeCore`, the one SGLang itself uses for sessions and KV sharding) and adds per-node
 `NodeStats`. Everything else stays SGLang's: the tree walk, locks, HiCache tiers, session refs and
-paging. `VampStrategy` is `--radix-eviction-policy vamp`: lowest p_eff first (Eq. 1,
-cache/ordering.py), read from the core that keeps the statistics. How these enter SGLang is
+paging. `VampStrategy` is `--radix-eviction-policy vamp`: nodes not expected back first, by lowest
+p_eff (Eq. 1), then farthest expected next use (cache/ordering.py), read from the core that keeps the
+statistics. How these enter SGLang is
 `radix_backend`; what the planner reads off the tree is `radix_eviction`.
 
 Hits are counted at admission (`VampTreeCore.record_admission`, walking the locked `req.last_node`
@@ -112,8 +113,8 @@ class VampTreeCore(UnifiedTreeCore):
     def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool], live: bool = False) -> OrderedWalk:
         """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`)."""
         self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
-        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published, self.vamp_priority,
-                                         admits, live)
+        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
+                                         self.vamp_shares.published_gaps, self.vamp_priority, admits, live)
 
     def _vamp_evict_start(self, request_cnt: int) -> None:
         full = self.components_by_type[_FULL]
@@ -169,6 +170,8 @@ class VampTreeCore(UnifiedTreeCore):
         super()._touch_node(node)  # insert walks touch every node they write through
         node.vamp_stats.touch(self.now_steps())
         self.vamp_priorities.pop(node.id, None)
+        if self.vamp_leaf_order is not None and node in self.evictable_device_leaves:
+            self.vamp_leaf_order.add(node)  # a leaf the insert ends in: the kept order must see its new use
 
     def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
         """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now);
@@ -177,7 +180,8 @@ class VampTreeCore(UnifiedTreeCore):
         node = self.node_by_id(node_id)
         while node is not None and node is not self.root_node:
             if first and not node.vamp_stats.hits:
-                self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node))
+                self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node),
+                                        now - node.vamp_stats.created_step)
             node.vamp_stats.admit(now, count_hit=first)
             self.vamp_priorities.pop(node.id, None)
             node = node.parent
@@ -193,11 +197,11 @@ class VampTreeCore(UnifiedTreeCore):
         return node.component_data[_MAMBA].value is not None
 
     def vamp_priority(self, node: UnifiedTreeNode) -> tuple:
-        """(dead first, the request priority SGLang keeps on the node, then p_eff's order).
+        """(dead first, the request priority SGLang keeps on the node, then CostOrder's).
 
         `node.priority` is SGLang's own (the highest `InsertParams.priority` written through the
         node, as its `priority` policy orders by): a lower one goes first, so priorities set by
-        users hold under VAMP too; with none set (all 0) the order is p_eff's alone."""
+        users hold under VAMP too; with none set (all 0) the order is CostOrder's alone."""
         if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
             return (0, node.priority, DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
         now, shares = self.now_steps(), self.vamp_shares
@@ -209,7 +213,7 @@ class VampTreeCore(UnifiedTreeCore):
         if priority is None:
             stats = node.vamp_stats
             priority = self.vamp_priorities[node.id] = (1, node.priority, *self.vamp_order.priority(
-                stats, now, shares.prior(stats.prior)))
+                stats, now, shares.prior(stats.prior), shares.gap_steps(stats.prior)))
         return priority
 
     def prior_hit_rate(self, node: UnifiedTreeNode) -> float:

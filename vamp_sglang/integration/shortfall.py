@@ -7,7 +7,7 @@ planner snapshot from the live tree, the expert memory and the running batch, as
 carries the plan out:
 - offload: the TP ranks agree on the groups and on a common token count (controller), every rank
   remaps exactly that many (a transaction) or none, and the allocator grows;
-- evict: SGLang's own eviction runs, in the p_eff order of our tree's eviction strategy;
+- evict: SGLang's own eviction runs, in the order of our tree's eviction strategy (cache/ordering.py);
 - combined: offload the floor, evict the remainder;
 - preempt (decode only): leave the gap, so SGLang's `retract_decode` preempts.
 

@@ -52,7 +52,7 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
     what = {
         "none": "nothing to do: no gap",
         "offload": f"offload {p.groups} expert groups (+{added} KV tokens)",
-        "evict": f"evict {p.evict_tokens} cached tokens in the tree's order (lowest p_eff first)",
+        "evict": f"evict {p.evict_tokens} cached tokens in the tree's order (cache/ordering.py)",
         "preempt": "leave the gap; SGLang retracts running requests",
         "combined": f"offload {p.groups} expert groups (+{added} KV tokens) "
                     f"and evict {p.evict_tokens} cached tokens",
