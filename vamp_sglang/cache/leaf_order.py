@@ -3,9 +3,9 @@
 The order (cache/ordering.py) puts nodes not expected back first, by p_eff (Eq. 1), then nodes expected
 back, never-hit before hit, by farthest expected next use T. T is fixed while a node's statistics and
 its class's published interval are, so the expected-back leaves are two heaps per request priority
-(never hit, hit), keyed by (-T, -created), exact; a second heap holds their deadlines (the step after which a node is no longer expected back),
-and every walk first moves the leaves whose deadline has passed to the p_eff buckets (once each: time
-only moves forward).
+(never hit, hit), keyed by (-T, -created), exact; another heap holds their deadlines (the step after
+which a node is no longer expected back), and every walk first moves the leaves whose deadline has
+passed to the p_eff buckets (once each: time only moves forward).
 
 p_eff = alpha * r_hit / (1 + age / tau) decays hyperbolically, and two nodes' p_eff cross as
 time passes (a warm old node and a cold fresh one swap), so no key fixed at insertion orders nodes by

@@ -20,9 +20,10 @@ write to first hit of its writer class (cache/reuse_share.py; none where no firs
 class never reused is not expected back, whatever its prior says). Until
 `1 + EXPECTED_BACK_SLACK` intervals have passed since its last use, a node with r_hit > 0 is
 expected back at T = last + G, and those nodes go after every other: the never-hit ones first (KV
-a session wrote on its last turn, or a request that missed wrote anew, is less sure to come back than KV
-already reused; without this split, a session that missed its prefix evicts the retained sessions'
-prefixes for its own), then the hit ones, each farthest T first: Belady's rule on estimated next uses. A node past that (its reuse did not come when due) or with r_hit = 0 is
+a session wrote on its last turn, or a request that missed wrote anew, is less sure to come back than
+KV already reused; without this split, a session that missed its prefix evicts the retained
+sessions' prefixes for its own), then the hit ones, each farthest T first: Belady's rule on
+estimated next uses. A node past that (its reuse did not come when due) or with r_hit = 0 is
 ordered by p_eff as before, and goes first; ties go to the newest node, so where nothing is known
 yet (every p_eff = 0) the oldest KV stays, which holds a stable subset where LRU would cycle.
 Request priority (SGLang's) orders before all of this (integration/radix_tree.py). Eviction COSTS

@@ -117,7 +117,7 @@ class ReuseShares:
         return self.published_gaps.get(writer_class(writer_rate))
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
-        """For /vamp/stats: per class, tokens written and reused and the prior in use."""
+        """For /vamp/stats: per class, tokens written and reused, the prior and the reuse interval in use."""
         out = {}
         for cls in range(CLASSES):
             low = cls / CLASSES
