@@ -186,3 +186,55 @@ def test_a_walk_prices_few_leaves_beyond_those_it_yields():
     first = [next(walk).id for _ in range(10)]
     assert first == list(range(10))  # the oldest first
     assert len(priced) <= 30, f"{len(priced)} leaves priced to yield 10"
+
+
+def test_refiling_without_walks_keeps_the_heaps_bounded():
+    """A tree that never falls short never walks, yet every touch re-files a leaf and leaves a dead heap
+    entry behind: the heaps must not keep them all (they grew for good, and the first walk popped them all:
+    0.3 s on the bench's 100,323-node tree)."""
+    order_of = CostOrder(Coefficients())
+    kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
+    leaves = [_Node(i, NodeStats(i, i % 3, 0, None), 0) for i in range(50)]
+    for step in range(1, 200):
+        for leaf in leaves:
+            leaf.vamp_stats.touch(leaf.vamp_stats.last_step + step)
+            kept.add(leaf)
+    held = sum(len(heap) for heap in kept.buckets.values()) + len(kept.deferred)
+    assert held <= 2 * len(leaves) + 64 + 1, f"{held} heap entries for {len(leaves)} leaves"
+    assert len(kept.deadlines) <= 2 * len(leaves) + 64 + 1
+    now = leaves[-1].vamp_stats.last_step
+
+    def exact(node):
+        return (1, node.priority, *order_of.priority(node.vamp_stats, now, 0.0))
+
+    walk = kept.walk(now, {}, {}, exact, lambda n: True)
+    assert [n.id for n in walk] == [n.id for n in sorted(leaves, key=lambda n: (exact(n), n))]
+
+
+def test_leaves_filed_while_a_walk_is_open_join_the_next_walk():
+    """A walk reads the heaps by position, so what is filed while one is open waits until it closes;
+    closing (or running out) files it, and a walk left open only delays it to the next prepare."""
+    order_of = CostOrder(Coefficients())
+    kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
+    leaves = [_Node(i, NodeStats(10 * i, i % 2, 0, None), 0) for i in range(6)]
+    for leaf in leaves[:3]:
+        kept.add(leaf)
+    now = 100
+
+    def exact(node):
+        return (1, node.priority, *order_of.priority(node.vamp_stats, now, 0.0))
+
+    def walk_ids():
+        return [n.id for n in kept.walk(now, {}, {}, exact, lambda n: True)]
+
+    first = kept.walk(now, {}, {}, exact, lambda n: True)
+    next(first)
+    kept.add(leaves[3])  # filed during the open walk
+    assert kept.deferred and not any(e[2] == 3 for heap in kept.buckets.values() for e in heap)
+    first.close()
+    assert not kept.deferred
+    assert walk_ids() == [n.id for n in sorted(leaves[:4], key=lambda n: (exact(n), n))]
+    leaked = kept.walk(now, {}, {}, exact, lambda n: True)
+    next(leaked)  # never closed
+    kept.add(leaves[4])
+    assert walk_ids() == [n.id for n in sorted(leaves[:5], key=lambda n: (exact(n), n))]

@@ -114,12 +114,15 @@ def kept_order(core: VampTreeCore) -> Iterator[UnifiedTreeNode]:
         return
     removed: set[UnifiedTreeNode] = set()
     walk = core.vamp_ordered_walk(lambda node: node not in removed)
-    for node in walk:
-        removed.add(node)
-        yield node
-        parent = view.parent_if_leaf_after(node, removed)
-        if parent is not None:
-            walk.push(parent)
+    try:
+        for node in walk:
+            removed.add(node)
+            yield node
+            parent = view.parent_if_leaf_after(node, removed)
+            if parent is not None:
+                walk.push(parent)
+    finally:
+        walk.close()  # also when the caller stops early: later inserts then file straight into the order
 
 
 def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, running_requests: int,
@@ -132,10 +135,12 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     if need <= 0:
         return out  # nothing to take: no walk (a walk prices the leaves at its front)
     now, covered, lost = core.now_steps(), 0, LostTokens(core) if core.vamp_hybrid else None
+    core.vamp_shares.refresh(core.vamp_ledger.hit_rate)  # once: the published priors hold for this step
+    prior_of = core.vamp_shares.prior
     for node in kept_order(core):
         tokens, stats = core.node_tokens(node), node.vamp_stats
         covered += tokens
-        out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), core.prior_hit_rate(node),
+        out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), prior_of(stats.prior),
                                   None if lost is None else lost(node),
                                   bool(node.backuped)))  # HiCache's host copy (False without)
         if covered >= need:

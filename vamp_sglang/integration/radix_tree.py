@@ -79,6 +79,7 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_shares = ReuseShares()  # the r_hit priors of nodes, by writer class
         self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
         self.vamp_priority_key: tuple[int, int] | None = None  # (step, published priors' version)
+        self.vamp_priced: Callable[[UnifiedTreeNode], tuple] | None = None  # prices into the memo for that key
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
@@ -112,9 +113,9 @@ class VampTreeCore(UnifiedTreeCore):
 
     def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool], live: bool = False) -> OrderedWalk:
         """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`)."""
-        self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
+        priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
         return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
-                                         self.vamp_shares.published_gaps, self.vamp_priority, admits, live)
+                                         self.vamp_shares.published_gaps, priority, admits, live)
 
     def _vamp_evict_start(self, request_cnt: int) -> None:
         full = self.components_by_type[_FULL]
@@ -204,16 +205,29 @@ class VampTreeCore(UnifiedTreeCore):
         users hold under VAMP too; with none set (all 0) the order is CostOrder's alone."""
         if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
             return (0, node.priority, DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
+        return self.priced_now()(node)
+
+    def priced_now(self) -> Callable[[UnifiedTreeNode], tuple]:
+        """`vamp_priority` of a node with a state (every node of a plain tree) at the current step and published
+        priors, memoised: a walk runs within one step, so it checks the step and priors once, here."""
         now, shares = self.now_steps(), self.vamp_shares
         key = (now, shares.refresh(self.vamp_ledger.hit_rate))
         if key != self.vamp_priority_key:
             self.vamp_priorities.clear()
             self.vamp_priority_key = key
-        priority = self.vamp_priorities.get(node.id)
-        if priority is None:
-            stats = node.vamp_stats
-            priority = self.vamp_priorities[node.id] = (1, node.priority, *self.vamp_order.priority(
-                stats, now, shares.prior(stats.prior), shares.gap_steps(stats.prior)))
+            self.vamp_priced = self._pricer(now)
+        return self.vamp_priced
+
+    def _pricer(self, now: int) -> Callable[[UnifiedTreeNode], tuple]:
+        memo, order, shares = self.vamp_priorities, self.vamp_order, self.vamp_shares
+
+        def priority(node: UnifiedTreeNode) -> tuple:
+            value = memo.get(node.id)
+            if value is None:
+                stats = node.vamp_stats
+                value = memo[node.id] = (1, node.priority, *order.priority(
+                    stats, now, shares.prior(stats.prior), shares.gap_steps(stats.prior)))
+            return value
         return priority
 
     def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
