@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vamp_sglang.cache import CostOrder, NodeStats
-from vamp_sglang.cache.ordering import EXPECTED, NOT_EXPECTED, reuse_interval_steps
+from vamp_sglang.cache.ordering import EXPECTED, EXPECTED_MIN_REUSE, NOT_EXPECTED, reuse_interval_steps
 from vamp_sglang.config import VampConfig
 from vamp_sglang.policy.costs import Coefficients
 
@@ -117,3 +117,19 @@ def test_priority_prices_with_eq1s_own_floats():
             checked += 1
             assert key[1] == reuse_probability(stats.hits, stats.age_steps(now), rate, order.coefficients)
     assert checked > 500
+
+
+def test_kv_rarely_reused_is_not_held_as_expected_back():
+    """One-shot prompts behind a writer class that also writes some reused first turns get a small positive
+    prior. Held as expected back for 1.5 intervals, they went after every session node whose next turn came
+    later than usual (overdue, so first to go): with sessions arriving at random, those are the KV needed next.
+    Below EXPECTED_MIN_REUSE a node goes by p_eff, where its small r_hit puts it before the overdue session."""
+    order = CostOrder(Coefficients())
+    one_shot = NodeStats(1000, 0, 1000, 0.0)  # never hit: r_hit is its class's prior, 0.02; class interval 100
+    overdue_session = NodeStats(800, 3, 200, 0.9)  # hit 3 times, mean gap 200 steps: expected back until 1100
+    now = 1150
+    assert order.priority(one_shot, now, 0.02, 100.0)[0] == NOT_EXPECTED
+    assert order.priority(overdue_session, now, 0.9, 100.0)[0] == NOT_EXPECTED
+    assert order.priority(one_shot, now, 0.02, 100.0) < order.priority(overdue_session, now, 0.9, 100.0)
+    # at the floor and above, a never-hit node is still expected back for its class's interval
+    assert order.priority(one_shot, now, EXPECTED_MIN_REUSE, 100.0)[0] == EXPECTED

@@ -124,7 +124,7 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
         node = live.get(target)
         if op == "rate":  # one class's published prior and reuse interval move
             cls = [None, *range(CLASSES)][amount % (CLASSES + 1)]
-            priors[cls] = (amount % 11) / 10
+            priors[cls] = (0.0, 0.02, 0.05, 0.1, 0.3, 0.5, 0.9, 1.0)[amount % 8]  # below, at and above the floor
             if cls is not None:
                 gaps[cls] = float(amount % 1700)
             continue
@@ -238,3 +238,4 @@ def test_leaves_filed_while_a_walk_is_open_join_the_next_walk():
     next(leaked)  # never closed
     kept.add(leaves[4])
     assert walk_ids() == [n.id for n in sorted(leaves[:5], key=lambda n: (exact(n), n))]
+

@@ -18,13 +18,15 @@ order by p_eff (like LRU) hits nothing, while the offline optimum keeps a fixed 
 the mean gap of its own uses, (last - created) / hits, or before its first hit the mean steps from
 write to first hit of its writer class (cache/reuse_share.py; none where no first hit was seen: a
 class never reused is not expected back, whatever its prior says). Until
-`1 + EXPECTED_BACK_SLACK` intervals have passed since its last use, a node with r_hit > 0 is
-expected back at T = last + G, and those nodes go after every other: the never-hit ones first (KV
+`1 + EXPECTED_BACK_SLACK` intervals have passed since its last use, a node with r_hit at least
+`EXPECTED_MIN_REUSE` is expected back at T = last + G, and those nodes go after every other: the never-hit ones first (KV
 a session wrote on its last turn, or a request that missed wrote anew, is less sure to come back than
 KV already reused; without this split, a session that missed its prefix evicts the retained
 sessions' prefixes for its own), then the hit ones, each farthest T first: Belady's rule on
-estimated next uses. A node past that (its reuse did not come when due) or with r_hit = 0 is
-ordered by p_eff as before, and goes first; ties go to the newest node, so where nothing is known
+estimated next uses. A node past that (its reuse did not come when due) or with a smaller r_hit is
+ordered by p_eff as before, and goes first (held for an interval, one-shot prompts whose writer class
+also writes some reused first turns took the pool from sessions arriving at random, whose overdue KV
+went first: `tests/test_cachesim_random_arrivals.py`); ties go to the newest node, so where nothing is known
 yet (every p_eff = 0) the oldest KV stays, which holds a stable subset where LRU would cycle.
 Request priority (SGLang's) orders before all of this (integration/radix_tree.py). Eviction COSTS
 remain Eq. 2's C_c (`cost_s`), summed over the nodes evicted.
@@ -40,6 +42,9 @@ from vamp_sglang.policy.costs import Coefficients, cached_block_cost_s
 # a node stays expected back until 1.5 of its reuse intervals have passed: sessions' gaps vary with the
 # other sessions' answers, and one slack for all (0.5 to 1 measured alike in `eval.cachesim`)
 EXPECTED_BACK_SLACK = 0.5
+# a node is expected back only if its r_hit is at least this: KV its writer class reuses less than one time in ten
+# (one-shot prompts) is not held for an interval (`eval.cachesim`, random session arrivals among one-shots)
+EXPECTED_MIN_REUSE = 0.1
 
 NOT_EXPECTED, EXPECTED = 0, 1  # the order's first key: nodes not expected back go first
 Priority = tuple  # (NOT_EXPECTED, p_eff, -created, last) or (EXPECTED, ever hit, -T, -created)
@@ -83,7 +88,7 @@ class CostOrder:
             raise ValueError(f"a hit rate must be in [0, 1] (got {rate!r})")
         c = self.coefficients
         r_hit = (hits + rate) / (hits + 1)
-        gap = reuse_interval_steps(stats, class_gap_steps) if r_hit > 0.0 else None
+        gap = reuse_interval_steps(stats, class_gap_steps) if r_hit >= EXPECTED_MIN_REUSE else None
         if gap is not None and now_step <= expected_back_until(stats, gap):
             return (EXPECTED, 1 if hits else 0, -(last + gap), -stats.created_step)
         age = now_step - last if now_step > last else 0
