@@ -34,7 +34,8 @@ def test_cost_and_priority_match_hand_computation():
 
 def test_a_node_is_expected_back_for_one_and_a_half_reuse_intervals():
     node = stats(hits=4, last_step=800, created_step=0)  # used every 200 steps
-    assert reuse_interval_steps(node, None) == 200.0
+    assert reuse_interval_steps(node, 0.9, None) == 200.0
+    assert reuse_interval_steps(node, EXPECTED_MIN_REUSE / 2, None) is None  # rarely reused: never expected back
     assert ORDER.priority(node, 1100, 0.5) == (EXPECTED, 1, -1000.0, 0)  # next use expected at step 1000
     assert ORDER.priority(node, 1101, 0.5)[0] == NOT_EXPECTED  # its use did not come: Eq. 1 prices it
     fresh = stats(hits=0, last_step=800, created_step=800)  # never hit: its writer class's interval

@@ -39,13 +39,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vamp_sglang.cache.ordering import (
-    EXPECTED,
-    EXPECTED_MIN_REUSE,
-    NOT_EXPECTED,
-    expected_back_until,
-    reuse_interval_steps,
-)
+from vamp_sglang.cache.ordering import EXPECTED, NOT_EXPECTED, expected_back_until, reuse_interval_steps
 from vamp_sglang.cache.reuse_share import writer_class
 
 BUCKETS_PER_OCTAVE = 128  # a bound is within 0.5% of its leaf's r_hit
@@ -124,7 +118,7 @@ class LeafOrder:
         rho = self.priors.get(cls, 0.0)  # 0 bounds every prior; re-filed once the class is published
         r_hit = (hits + rho) / (hits + 1)
         key, entry = (priority, bucket_of(r_hit)), (last, created, node.id)
-        gap = reuse_interval_steps(node.vamp_stats, self.gaps.get(cls)) if r_hit >= EXPECTED_MIN_REUSE else None
+        gap = reuse_interval_steps(node.vamp_stats, r_hit, self.gaps.get(cls))
         if gap is not None:
             until = expected_back_until(node.vamp_stats, gap)
             if until >= self.now:

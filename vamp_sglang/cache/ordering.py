@@ -50,9 +50,12 @@ NOT_EXPECTED, EXPECTED = 0, 1  # the order's first key: nodes not expected back 
 Priority = tuple  # (NOT_EXPECTED, p_eff, -created, last) or (EXPECTED, ever hit, -T, -created)
 
 
-def reuse_interval_steps(stats: NodeStats, class_gap_steps: float | None) -> float | None:
+def reuse_interval_steps(stats: NodeStats, r_hit: float, class_gap_steps: float | None) -> float | None:
     """G: the node's mean gap between uses, or before its first hit its writer class's mean steps to a first
-    hit (None: the class was never seen reused, so the node is not expected back). At least one step."""
+    hit. At least one step. None: the node is not expected back (its r_hit is below `EXPECTED_MIN_REUSE`, or
+    it was never hit and its class was never seen reused)."""
+    if r_hit < EXPECTED_MIN_REUSE:
+        return None
     if stats.hits:
         return max((stats.last_step - stats.created_step) / stats.hits, 1.0)
     return None if class_gap_steps is None else max(class_gap_steps, 1.0)
@@ -88,7 +91,7 @@ class CostOrder:
             raise ValueError(f"a hit rate must be in [0, 1] (got {rate!r})")
         c = self.coefficients
         r_hit = (hits + rate) / (hits + 1)
-        gap = reuse_interval_steps(stats, class_gap_steps) if r_hit >= EXPECTED_MIN_REUSE else None
+        gap = reuse_interval_steps(stats, r_hit, class_gap_steps)
         if gap is not None and now_step <= expected_back_until(stats, gap):
             return (EXPECTED, 1 if hits else 0, -(last + gap), -stats.created_step)
         age = now_step - last if now_step > last else 0
