@@ -233,7 +233,7 @@ def test_a_leaked_walk_neither_loses_refilings_nor_lets_the_heaps_grow():
     assert len(order.deferred) >= 399
     t.check()  # the next walk files them
     assert not order.deferred
-    held = sum(len(h) for h in order.buckets.values())
+    held = sum(len(h) for h in order.groups.values())
     assert held <= 2 * len(order.entries) + 64 + 1
     leaked.close()
     assert order.open_walks == 0

@@ -10,7 +10,7 @@ run on is built in `vamp_sglang.integration.radix_tree`.
 
 from vamp_sglang.cache.histogram import pow2_histogram
 from vamp_sglang.cache.hybrid import HybridTree, tokens_losing_reuse
-from vamp_sglang.cache.leaf_order import LeafOrder, OrderedWalk, bucket_low, bucket_of
+from vamp_sglang.cache.leaf_order import LeafOrder, OrderedWalk
 from vamp_sglang.cache.node_stats import AdmissionLedger, NodeStats
 from vamp_sglang.cache.ordering import CostOrder
 from vamp_sglang.cache.reuse_share import ReuseShares, writer_class
@@ -18,6 +18,6 @@ from vamp_sglang.cache.walk import EvictableTree, EvictionEstimate, estimate, ev
 
 __all__ = [
     "AdmissionLedger", "CostOrder", "EvictableTree", "EvictionEstimate", "HybridTree", "LeafOrder", "NodeStats",
-    "OrderedWalk", "ReuseShares", "bucket_low", "bucket_of", "estimate", "eviction_order", "pow2_histogram", "tokens_losing_reuse",
+    "OrderedWalk", "ReuseShares", "estimate", "eviction_order", "pow2_histogram", "tokens_losing_reuse",
     "writer_class",
 ]
