@@ -8,6 +8,7 @@ the kept structure gives must be the one a heap over every evictable leaf gives 
 """
 
 import gc
+import random
 import weakref
 
 import torch
@@ -302,3 +303,59 @@ def test_the_order_follows_class_priors_and_intervals_moving_between_walks(nodes
 
         walk = kept.walk(now, dict(priors), gaps, exact, lambda n: True)
         assert [n.id for n in walk] == [n.id for n in sorted(leaves, key=lambda n: (exact(n), n))]
+
+
+def _touch_order(n_leaves: int):
+    """Never-hit leaves of ages 0..n-1 at step 1,000 (the oldest goes first), and their exact key then."""
+    order_of = CostOrder(Coefficients())
+    kept = LeafOrder(order_of.coefficients.alpha, order_of.coefficients.tau_steps, _describe)
+    leaves = [_Node(i, NodeStats(10 * i, 0, 0, None), 0) for i in range(n_leaves)]
+    for leaf in random.Random(0).sample(leaves, n_leaves):  # heap positions are not the order
+        kept.add(leaf)
+    priors = {None: 0.3}
+
+    def exact(node):
+        return (1, node.priority, *order_of.priority(node.vamp_stats, 1000, 0.3))
+
+    return kept, leaves, priors, exact
+
+
+def test_a_leaf_refiled_while_a_planner_walk_is_open_is_not_lost_to_it():
+    """A read-only walk left open while a leaf is re-filed (its old entry dead, its new one deferred until the
+    walk closes) must still yield that leaf, at its new key."""
+    kept, leaves, priors, exact = _touch_order(8)
+    walk = kept.walk(1000, priors, {}, exact, lambda n: True)
+    first = next(walk)
+    leaves[3].vamp_stats.touch(995)  # the fourth oldest becomes the second newest
+    kept.add(leaves[3])
+    rest = [n.id for n in walk]
+    assert [first.id, *rest] == [0, *[n.id for n in sorted(leaves[1:], key=lambda n: (exact(n), n))]]
+
+
+def test_a_walk_paused_while_another_runs_keeps_its_order():
+    """A walk paused while leaves are re-filed and a second walk runs (whose prepare files the deferred entries,
+    moving heap positions the first walk reads by) must go on in the exact order, each leaf once."""
+    kept, leaves, priors, exact = _touch_order(40)
+    first = kept.walk(1000, priors, {}, exact, lambda n: True)
+    taken = [next(first).id for _ in range(3)]
+    for i in (0, 5, 9, 17, 30) * 30:  # re-filed while the first walk is open, so often that the heaps are rebuilt
+        leaves[i].vamp_stats.touch(leaves[i].vamp_stats.last_step + 1)
+        kept.add(leaves[i])
+    second = [n.id for n in kept.walk(1000, priors, {}, exact, lambda n: True)]
+    assert second == [n.id for n in sorted(leaves, key=lambda n: (exact(n), n))]
+    rest = [n.id for n in first]
+    assert rest == [i for i in second if i not in taken]
+
+
+def test_dead_counts_the_dead_entries_in_the_heaps():
+    """`dead` decides when the heaps are rebuilt: re-filing one leaf many times while a walk is open leaves one
+    dead entry in a heap (the others never reached one), not one per re-filing twice over."""
+    kept, leaves, priors, exact = _touch_order(5)
+    walk = kept.walk(1000, priors, {}, exact, lambda n: True)
+    next(walk)
+    for step in range(1, 11):
+        leaves[0].vamp_stats.touch(step)
+        kept.add(leaves[0])
+    walk.close()
+    held = sum(len(heap) for heap in kept.groups.values())
+    assert kept.dead == held - len(kept.entries) == 1

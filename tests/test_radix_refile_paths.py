@@ -201,7 +201,7 @@ def test_the_live_eviction_walk_takes_parents_freed_by_its_own_evictions():
     before = {n.id for n in t.core.device_nodes()}
     t.cache.evict(EvictParams(num_tokens=8))
     assert before - {n.id for n in t.core.device_nodes()} == {n.id for n in predicted.nodes}
-    assert t.core.vamp_leaf_order.open_walks == 0 and t.core.vamp_leaf_order.walking is None
+    assert t.core.vamp_leaf_order.open_walks == 0
     assert not t.core.vamp_leaf_order.deferred
     t.check()
 
@@ -324,7 +324,7 @@ def test_a_leaf_refiled_during_the_live_walk_is_taken_at_its_new_key():
     leaves = {i: _Node(i, NodeStats(100 * i, 0, 0, None), 0) for i in range(6)}
     for leaf in leaves.values():
         kept.add(leaf)
-    walk = kept.walk(now[0], priors, gaps, exact, lambda n: n.id in leaves, live=True)
+    walk = kept.walk(now[0], priors, gaps, exact, lambda n: n.id in leaves)
     first = next(walk)
     assert first.id == 0
     del leaves[0]
@@ -361,3 +361,27 @@ class PagedRefileMachine(RefileMachine):
 
 TestRefilePaged = PagedRefileMachine.TestCase
 TestRefilePaged.settings = TestRefile.settings
+
+
+def test_a_walk_left_open_past_its_step_does_not_price_into_the_current_memo():
+    """Leaves re-filed while a walk is open join it, priced at that walk's step. A walk left open (leaked) from
+    an earlier step must not write those old-step priorities into the memo a later step's walks read
+    (found by RefileMachine: a leaked walk, a lock, a step, an unlock gave two leaves in the wrong order)."""
+    t = _Tree()
+    t.insert([1] * 3)
+    t.insert([2] * 3)
+    t.step = 10
+    a = t.leaf([1] * 3)
+    lock = t.cache.lock(a.id)
+    t.core.record_admission(a.id, 3, 4, first=True)  # hit after 10 steps: expected back until step 25
+    t.cache.unlock(lock)
+    t.step = 20
+    leaked = t.core.vamp_ordered_walk(lambda n: True)  # at step 20, never advanced nor closed
+    lock = t.cache.lock(a.id)  # out of the leaf set
+    t.step = 4990
+    t.insert([3] * 3)  # never hit, its class's interval is 10 steps: expected back until 5005
+    t.step = 5000
+    t.check()  # a walk at step 5000: its memo holds step-5000 priorities
+    t.cache.unlock(lock)  # `a` re-filed, and pushed to the leaked walk, which prices it at step 20 (expected back)
+    t.check()  # at step 5000 `a` is overdue: it goes before the expected-back leaf
+    leaked.close()

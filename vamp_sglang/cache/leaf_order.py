@@ -37,6 +37,7 @@ where its prior moved (15 ms on `eval.bench_decision`'s 100,323-node tree).
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,17 +82,22 @@ class LeafOrder:
         self.entries: dict[int, tuple[tuple[int, int, int, int], tuple, tuple, Any]] = {}
         self.dead = 0  # entries left in a heap after their node left or was re-filed
         self.deferred: list[tuple] = []  # (group key, entry) filed while a walk was open, not yet in a heap
-        self.open_walks = 0  # walks started and not closed: they read the heaps by position
+        self.open: weakref.WeakSet[OrderedWalk] = weakref.WeakSet()  # walks started, not closed nor dropped
+        self.generation = 0  # bumped by every prepare, which moves heap entries an open walk points at
         self.never_hit: dict[int | None, set[int]] = {}  # writer class -> ids of its never-hit nodes
         self.priors: dict[int | None, float] = {}  # writer class -> its published prior at the latest walk
         self.gaps: dict[int | None, float] = {}  # writer class -> its published steps to a first hit
         self.rates: dict[tuple, float] = {}  # P_EFF group key -> its r_hit at those priors
         self.deadlines: list[tuple[float, tuple]] = []  # heap of (expected back until, entry)
         self.now = 0  # the latest step a walk ran at: a node filed later is expected back only if still due
-        self.walking: OrderedWalk | None = None  # a live eviction walk in progress (sees new leaves)
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def open_walks(self) -> int:
+        """Walks open now: they read the heaps by position, so what is filed meanwhile waits in `deferred`."""
+        return len(self.open)
 
     def clear(self) -> None:
         self.groups.clear()
@@ -102,9 +108,11 @@ class LeafOrder:
         self.dead = 0
 
     def add(self, node: Any) -> None:
-        """`node` is (still) an evictable leaf: re-file it if its statistics moved."""
-        if self.place(node) and self.walking is not None:
-            self.walking.push(node)  # a leaf freed by the live walk's own eviction
+        """`node` is (still) an evictable leaf: re-file it if its statistics moved. Every open walk takes it at
+        its new key (a leaf the eviction's own walk freed, or one re-filed while a planner walk is paused)."""
+        if self.place(node):
+            for walk in list(self.open):
+                walk.push(node)
         if not self.open_walks:
             self.tidy()
 
@@ -155,7 +163,7 @@ class LeafOrder:
             if current is not None and current[1] is entry:
                 heapq.heappush(self.groups.setdefault(key, []), entry)
             else:
-                self.dead += 1
+                self.dead -= 1  # counted when it was superseded, but it never reached a heap
         self.deferred = []
 
     def prepare(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float]) -> None:
@@ -164,6 +172,7 @@ class LeafOrder:
         deferred entries, drop dead ones (at every heap's top; all of them once they outnumber the live)."""
         moved = [cls for cls in set(priors) | set(self.priors) | set(gaps) | set(self.gaps)
                  if class_mode(priors.get(cls), gaps.get(cls)) != class_mode(self.priors.get(cls), self.gaps.get(cls))]
+        self.generation += 1
         self.priors, self.gaps, self.now, self.rates = dict(priors), dict(gaps), max(self.now, now), {}
         for cls in moved:
             for node_id in list(self.never_hit.get(cls, ())):
@@ -189,6 +198,8 @@ class LeafOrder:
         one dead entry behind, and a tree that never falls short never walks, so without this its heaps would
         grow for good and its first walk would pop them all (0.3 s on `eval.bench_decision`'s 100,323-node
         tree). A rebuild costs O(leaves) after at least as many re-filings: O(1) per filing. Only between walks."""
+        if self.deferred:
+            self.flush()  # filed while a walk was open that was dropped without closing
         entries = self.entries
         if self.dead > len(entries) + 64:
             self.groups = {}
@@ -219,42 +230,56 @@ class LeafOrder:
         return (1, key[0], NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
 
     def walk(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float],
-             exact: Callable[[Any], tuple], admits: Callable[[Any], bool], live: bool = False) -> OrderedWalk:
+             exact: Callable[[Any], tuple], admits: Callable[[Any], bool]) -> OrderedWalk:
         """Leaves smallest `exact` key first, `exact` pricing never-hit nodes with `priors` and `gaps`
         (writer class -> prior, -> steps to a first hit). `admits(node)`: still a candidate (not taken,
-        still a leaf); `live`: the caller evicts what it is given, and the leaves that frees join the walk."""
+        still a leaf). Leaves filed while the walk is open join it (`add`)."""
         self.prepare(now, priors, gaps)
-        return OrderedWalk(self, now, exact, admits, live)
+        return OrderedWalk(self, now, exact, admits)
 
 
 class OrderedWalk:
     """One pass over a `LeafOrder` (see the module); `push` adds a node (a parent that became a leaf)."""
 
     def __init__(self, order: LeafOrder, now: float, exact: Callable[[Any], tuple],
-                 admits: Callable[[Any], bool], live: bool) -> None:
-        self.order, self.now, self.exact, self.admits, self.live = order, now, exact, admits, live
-        self.frontier = [(order.bound(key, heap[0], now), key, 0) for key, heap in order.groups.items() if heap]
-        heapq.heapify(self.frontier)
+                 admits: Callable[[Any], bool]) -> None:
+        self.order, self.now, self.exact, self.admits = order, now, exact, admits
         self.ready: list[tuple[tuple, Any]] = []  # (exact key, node), as SGLang's eviction heap holds them
-        self.seen: set[int] = set()
+        self.pending: dict[int, tuple] = {}  # id -> the key it waits in `ready` with (an older entry is stale)
+        self.seen: set[int] = set()  # ids taken into `ready` (or refused by `admits`)
+        self.start()
         self.open = True
-        order.open_walks += 1
-        if live:
-            order.walking = self
+        order.open.add(self)
+
+    def start(self) -> None:
+        """The frontier at every heap's top. Again after another walk's prepare moved the entries this one
+        pointed at: the entries it already took are skipped (`seen`), so the order goes on exactly."""
+        order = self.order
+        self.frontier = [(order.bound(key, heap[0], self.now), key, 0) for key, heap in order.groups.items() if heap]
+        heapq.heapify(self.frontier)
+        self.generation = order.generation
 
     def push(self, node: Any) -> None:
-        if node.id not in self.seen:
-            self.seen.add(node.id)
-            heapq.heappush(self.ready, (self.exact(node), node))
+        """Take `node` at its exact key now; again, at its new key, if it is re-filed before it is yielded."""
+        if node.id in self.seen and node.id not in self.pending:
+            return
+        self.seen.add(node.id)
+        key = self.pending[node.id] = self.exact(node)
+        heapq.heappush(self.ready, (key, node))
 
     def __iter__(self) -> Iterator[Any]:
         return self
 
     def __next__(self) -> Any:
+        if self.generation != self.order.generation:
+            self.start()
         ready, frontier = self.ready, self.frontier
         while True:
             if ready and (not frontier or ready[0][0] < frontier[0][0]):
-                node = heapq.heappop(ready)[1]
+                key, node = heapq.heappop(ready)
+                if self.pending.get(node.id) is not key:
+                    continue  # pushed again since, at a newer key
+                del self.pending[node.id]
                 if self.admits(node):
                     return node
                 continue
@@ -278,15 +303,14 @@ class OrderedWalk:
         if not self.admits(node):
             return
         if current[2] != order.describe(node):
-            order.place(node)  # grew since filed: re-filed for later walks (still a bound for this one)
-        self.push(node)
+            order.add(node)  # grew since filed: re-filed, and taken at its key by every open walk, this one too
+        else:
+            self.push(node)
 
     def close(self) -> None:
         """Done with the walk (also when it ran out): entries filed from now on go straight to their heaps."""
         if self.open:
             self.open = False
-            self.order.open_walks -= 1
+            self.order.open.discard(self)
             if not self.order.open_walks:
                 self.order.flush()  # what was filed during the walk, so the next one starts with it in place
-        if self.order.walking is self:
-            self.order.walking = None

@@ -111,16 +111,17 @@ class VampTreeCore(UnifiedTreeCore):
         for node in self.evictable_device_leaves:
             order.add(node)
 
-    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool], live: bool = False) -> OrderedWalk:
-        """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`)."""
+    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool]) -> OrderedWalk:
+        """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`); leaves that
+        become evictable while it is open (the parents its own evictions free) join it."""
         priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
         return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
-                                         self.vamp_shares.published_gaps, priority, admits, live)
+                                         self.vamp_shares.published_gaps, priority, admits)
 
     def _vamp_evict_start(self, request_cnt: int) -> None:
         full = self.components_by_type[_FULL]
         full._evict_device_request_cnt = request_cnt
-        self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__, live=True)
+        self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
 
     def _vamp_evict_next(self, tracker: dict, device_frees: Any, host_frees: Any, cache_actions: Any) -> Any:
         """SGLang's `FullComponent._evict_device_next_node`: the next leaf, until the request is met."""
@@ -219,14 +220,17 @@ class VampTreeCore(UnifiedTreeCore):
         return self.vamp_priced
 
     def _pricer(self, now: int) -> Callable[[UnifiedTreeNode], tuple]:
-        memo, order, shares = self.vamp_priorities, self.vamp_order, self.vamp_shares
+        memo, order, shares, key = self.vamp_priorities, self.vamp_order, self.vamp_shares, self.vamp_priority_key
 
         def priority(node: UnifiedTreeNode) -> tuple:
-            value = memo.get(node.id)
+            current = self.vamp_priority_key is key  # else a walk left open past its step: its own step, memo aside
+            value = memo.get(node.id) if current else None
             if value is None:
                 stats = node.vamp_stats
-                value = memo[node.id] = (1, node.priority, *order.priority(
-                    stats, now, shares.prior(stats.prior), shares.gap_steps(stats.prior)))
+                value = (1, node.priority, *order.priority(stats, now, shares.prior(stats.prior),
+                                                           shares.gap_steps(stats.prior)))
+                if current:
+                    memo[node.id] = value
             return value
         return priority
 
