@@ -359,3 +359,20 @@ def test_dead_counts_the_dead_entries_in_the_heaps():
     walk.close()
     held = sum(len(heap) for heap in kept.groups.values())
     assert kept.dead == held - len(kept.entries) == 1
+
+
+def test_a_leaf_refused_at_its_turn_and_filed_again_is_not_lost_to_the_walk():
+    """A leaf waiting in an open walk, refused when its turn came (locked then), is unlocked again before the walk
+    ends: it must still come out (found by an adversarial read: it stayed `seen`, so the re-filing was ignored)."""
+    kept, leaves, priors, exact = _touch_order(4)
+    live = {leaf.id for leaf in leaves}
+    walk = kept.walk(1000, priors, {}, exact, lambda n: n.id in live)
+    assert next(walk).id == 0
+    leaves[3].vamp_stats.last_step = 1  # re-dated the oldest: it joins the walk's ready heap at the front
+    kept.add(leaves[3])
+    kept.discard(leaves[3])
+    live.discard(3)  # locked before its turn
+    assert next(walk).id == 1  # its turn came and went: refused
+    live.add(3)
+    kept.add(leaves[3])  # unlocked
+    assert sorted(n.id for n in walk) == [2, 3]

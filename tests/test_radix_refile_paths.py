@@ -385,3 +385,20 @@ def test_a_walk_left_open_past_its_step_does_not_price_into_the_current_memo():
     t.cache.unlock(lock)  # `a` re-filed, and pushed to the leaked walk, which prices it at step 20 (expected back)
     t.check()  # at step 5000 `a` is overdue: it goes before the expected-back leaf
     leaked.close()
+
+
+def test_a_paused_planner_walk_does_not_yield_a_leaf_locked_meanwhile():
+    """Leaves re-filed while a planner walk is open join it; one locked after that is no longer a candidate."""
+    t = _Tree()
+    for tok in range(4):
+        t.insert([tok] * 3)
+        t.step += 10
+    walk = radix_eviction.kept_order(t.core)
+    first = next(walk)
+    t.insert([0] * 3)  # the oldest leaf re-filed at step 40 (an insert walk touches it): it joins the walk
+    target = t.leaf([0] * 3)
+    lock = t.cache.lock(target.id)  # and locked while the walk is paused
+    rest = [n.id for n in walk]
+    assert target.id not in rest and first.id not in rest
+    t.cache.unlock(lock)
+    t.check()

@@ -100,6 +100,7 @@ class LeafOrder:
         return len(self.open)
 
     def clear(self) -> None:
+        self.generation += 1  # an open walk's positions point into heaps that are gone
         self.groups.clear()
         self.entries.clear()
         self.never_hit.clear()
@@ -246,7 +247,7 @@ class OrderedWalk:
         self.order, self.now, self.exact, self.admits = order, now, exact, admits
         self.ready: list[tuple[tuple, Any]] = []  # (exact key, node), as SGLang's eviction heap holds them
         self.pending: dict[int, tuple] = {}  # id -> the key it waits in `ready` with (an older entry is stale)
-        self.seen: set[int] = set()  # ids taken into `ready` (or refused by `admits`)
+        self.seen: set[int] = set()  # ids taken into `ready` (and not refused since)
         self.start()
         self.open = True
         order.open.add(self)
@@ -282,6 +283,7 @@ class OrderedWalk:
                 del self.pending[node.id]
                 if self.admits(node):
                     return node
+                self.seen.discard(node.id)  # refused now (locked): a later re-filing may bring it back
                 continue
             if not frontier:
                 self.close()

@@ -113,13 +113,16 @@ def kept_order(core: VampTreeCore) -> Iterator[UnifiedTreeNode]:
         yield from eviction_order(view)
         return
     removed: set[UnifiedTreeNode] = set()
-    walk = core.vamp_ordered_walk(lambda node: node not in removed)
+    parents: set[UnifiedTreeNode] = set()  # leaves once `removed` are gone, not yet in the tree
+    leaves = core.evictable_device_leaves
+    walk = core.vamp_ordered_walk(lambda node: node not in removed and (node in leaves or node in parents))
     try:
         for node in walk:
             removed.add(node)
             yield node
             parent = view.parent_if_leaf_after(node, removed)
             if parent is not None:
+                parents.add(parent)
                 walk.push(parent)
     finally:
         walk.close()  # also when the caller stops early: later inserts then file straight into the order
