@@ -9,6 +9,10 @@ reused from an earlier measurement):
 - `decision`: what the decision maker does before it acts: the eviction candidates taken lazily
   in the tree's order (`radix_eviction.eviction_candidates`), the snapshot, and the plan with all four costs;
   its three parts are also reported alone (`candidates`, `snapshot`, `plan`), so a slow decision says where;
+  it runs right after the previous repeat's writes, with the caches of the CPU cold, as at a server's shortfall;
+- `decision_warm`: the same decision again at the next step with nothing in between: the CPU caches warm and
+  the writes already caught up with (dead heap entries dropped, leaves re-filed), so the gap to `decision` is
+  that catch-up and the walk's memory traffic (nodes, their statistics and tensors spread over the heap);
 - `sglang_evict`: `tree_cache.evict(G tokens)` alone with SGLang's own device walk (a heap over
   every evictable leaf, as stock SGLang runs it at a shortfall; the tree's kept order set aside);
 - `kept_evict`: the same eviction as this tree runs it, from the order it keeps between shortfalls;
@@ -155,7 +159,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
-    names = ("decision", "sglang_evict", "kept_evict", "decision_then_evict")
+    names = ("decision", "decision_warm", "sglang_evict", "kept_evict", "decision_then_evict")
     times: dict[str, list[float]] = {name: [] for name in names}
     parts: dict[str, list[float]] = {name: [] for name in ("candidates", "snapshot", "plan")}
     actions = set()
@@ -166,6 +170,8 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     for _ in tqdm(range(repeats), desc=f"timing decisions ({nodes} nodes)"):
         step[0] += 1
         times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients, parts))))
+        step[0] += 1
+        times["decision_warm"].append(timed_us(lambda: decide(cache, gap_tokens, coefficients)))
         step[0] += 1
         times["sglang_evict"].append(timed_us(lambda: stock_evict(cache, gap_tokens)))
         restore(cache, allocator, histories)
