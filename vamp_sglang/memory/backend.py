@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import bisect
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,7 @@ class HostArena:
     ALIGN_BYTES = 256
 
     def __init__(self, nbytes: int, pinned_bytes: int = 0,
-                 release: Callable[[torch.Tensor], None] | None = None,
+                 release: Callable[[], None] | None = None,
                  buffer: torch.Tensor | None = None) -> None:
         self.nbytes = nbytes
         self.pinned_bytes = pinned_bytes
@@ -74,7 +75,11 @@ class HostArena:
             skip = -raw.data_ptr() % self.ALIGN_BYTES
             buffer = raw[skip:skip + nbytes]
         self._buffer = buffer
-        self._release = release
+        # `release` (the CUDA unregistration) runs once: at close(), or when the arena is collected
+        # without one (a build that failed half-way), before its memory can be freed and reused
+        self._release = weakref.finalize(self, release) if release is not None else None
+        if self._release is not None:
+            self._release.atexit = False  # process exit frees it all; the driver may be gone by then
         self._used = 0
 
     @staticmethod
@@ -104,8 +109,8 @@ class HostArena:
 
     def close(self) -> None:
         """Unregister (CUDA) and drop the memory; slices must not be used afterwards."""
-        if self._buffer is not None and self._release is not None:
-            self._release(self._buffer)
+        if self._release is not None:
+            self._release()
         self._buffer = None
 
 

@@ -15,6 +15,8 @@ RuntimeError) instead of returning a CUresult; the constructor turns that into B
 
 from __future__ import annotations
 
+import functools
+import mmap
 from typing import Any
 
 import torch
@@ -50,6 +52,22 @@ def _check(drv: Any, result: tuple, call: str) -> Any:
     if err == drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
         raise MemoryError(f"{call}: CUDA_ERROR_OUT_OF_MEMORY")
     raise CudaDriverError(f"{call}: {err!r}")
+
+
+def page_aligned_host_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh host memory (an anonymous mapping) as a uint8 tensor whose storage starts at the
+    page boundary where the registration starts: torch's `is_pinned()` asks the driver about the
+    storage's first byte, so an arena carved from a larger malloc'd block reads as not pinned (the first
+    H200 run). The tensor keeps the mapping alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, -(-nbytes // _HOST_PAGE_BYTES) * _HOST_PAGE_BYTES)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+
+
+def _unregister_host(drv: Any, ctx: Any, base: int) -> None:
+    _check(drv, drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    _check(drv, drv.cuMemHostUnregister(base), "cuMemHostUnregister")
 
 
 def _init_driver(drv: Any) -> None:
@@ -111,25 +129,22 @@ class CudaPageBackend(PageBackend):
         torch.cuda.synchronize(self.device)
 
     def host_arena(self, nbytes: int) -> HostArena:
-        """A plain host tensor page-locked with cuMemHostRegister over its page-rounded `nbytes` (torch's
+        """Host memory page-locked with cuMemHostRegister over exactly its page-rounded `nbytes` (torch's
         pinned allocator would round to a power of two; issue 10 item 3). PORTABLE: the copies may be
         issued from any context; DEVICEMAP: kernels may read it through its device pointer (the routed
-        gather, issue 12). The arena's buffer view keeps the allocation alive."""
-        raw = torch.empty(nbytes + _HOST_PAGE_BYTES, dtype=torch.uint8)
-        base = raw.data_ptr() + (-raw.data_ptr() % _HOST_PAGE_BYTES)
+        gather, issue 12). The registration ends at `close()`, or when the arena is collected without
+        one, while the memory is still mapped: memory freed still registered leaves the range in the
+        driver's table, and the next allocation at that address fails to register (712)."""
+        buffer = page_aligned_host_buffer(nbytes)
         locked = -(-nbytes // _HOST_PAGE_BYTES) * _HOST_PAGE_BYTES
-        buffer = raw[base - raw.data_ptr():base - raw.data_ptr() + nbytes]
-        if locked:
-            self._current()
-            flags = self._drv.CU_MEMHOSTREGISTER_PORTABLE | self._drv.CU_MEMHOSTREGISTER_DEVICEMAP
-            self._call(self._drv.cuMemHostRegister(base, locked, flags), "cuMemHostRegister")
-
-        def unregister(_: torch.Tensor) -> None:
-            if locked:
-                self._current()
-                self._call(self._drv.cuMemHostUnregister(base), "cuMemHostUnregister")
-
-        return HostArena(nbytes, pinned_bytes=locked, release=unregister, buffer=buffer)
+        if not locked:
+            return HostArena(nbytes, buffer=buffer)
+        base = buffer.data_ptr()
+        self._current()
+        flags = self._drv.CU_MEMHOSTREGISTER_PORTABLE | self._drv.CU_MEMHOSTREGISTER_DEVICEMAP
+        self._call(self._drv.cuMemHostRegister(base, locked, flags), "cuMemHostRegister")
+        return HostArena(nbytes, pinned_bytes=locked, buffer=buffer,
+                         release=functools.partial(_unregister_host, self._drv, self._ctx, base))
 
     def _call(self, result: tuple, call: str) -> Any:
         return _check(self._drv, result, call)
