@@ -10,7 +10,8 @@ SGLang, no pyzmq (the report lists any such module that got imported, and fails 
                                                            # at toy sizes (a smoke test of this script)
 
 Sections, in run order, each a module of eval/gpu_sections/ (its docstring says what it checks), each
-reported separately; one failing does not stop the others:
+reported separately, each on a backend of its own; one failing does not stop the others, and what a
+section leaves behind (pages mapped, a CUDA error pending) fails that section, not the next:
   backend              backend_pages: expert pages to a KV region and back, KV tensor grown in place.
   driver               driver_rules: what the driver itself enforces, bypassing our bookkeeping (GPU only).
   remap                remap_rate: create / map / unmap / remap / release of 1 GiB of pages, ms per GiB.
@@ -29,6 +30,8 @@ reported separately; one failing does not stop the others:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import sys
 import time
@@ -53,7 +56,7 @@ from eval.gpu_sections import (
     state_growth,
     state_pool_alloc,
 )
-from vamp_sglang.memory.backend import BackendUnavailableError, PageBackend
+from vamp_sglang.memory.backend import BackendUnavailableError, LiveCounts, PageBackend
 from vamp_sglang.memory.backend_choice import select_backend
 
 HOST_GRAN = 64 << 10  # host runs: small pages keep the smoke test fast
@@ -74,13 +77,40 @@ SECTIONS: dict[str, tuple[bool, Callable[[PageBackend, bool], dict]]] = {  # nam
 }
 
 
-def run_section(report: dict, name: str, fn: Callable[[], dict]) -> None:
+def run_section(report: dict, name: str, check: Callable[[PageBackend, bool], dict],
+                make_backend: Callable[[], PageBackend], gpu: bool) -> None:
+    """One section on a backend of its own. Whatever it leaves behind fails it and is freed here, so it
+    cannot fail the sections after it (the first H200 run: one section that raised left pages mapped and
+    a host range registered, and four sections after it failed on those): pages still mapped or live,
+    host arenas it dropped (collected, so unregistered), a CUDA error left pending."""
     start = time.perf_counter()
+    backend = make_backend()
     try:
-        report[name] = fn()
+        report[name] = check(backend, gpu)
     except Exception:  # noqa: BLE001 - one broken section must not hide the others' results
         report[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+    gc.collect()
+    left = backend.live_counts()
+    if left != LiveCounts(0, 0, 0):
+        report[name].update(ok=False, left_live=dataclasses.asdict(left))
+    backend.close()
+    pending = _pending_cuda_error() if gpu else None
+    if pending:
+        report[name].update(ok=False, left_cuda_error=pending)
     report[name]["seconds"] = round(time.perf_counter() - start, 2)
+
+
+def _pending_cuda_error() -> str | None:
+    """An error the section's kernels raised asynchronously, or a runtime error nobody read (the runtime
+    reports it at the next launch, in the next section)."""
+    from cuda.bindings import runtime
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    err = runtime.cudaGetLastError()[0]
+    return None if err == runtime.cudaError_t.cudaSuccess else repr(err)
 
 
 def cuda_backend_or_reason() -> tuple[PageBackend | None, str]:
@@ -115,12 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if gpu else None,
                     "status": "ran on GPU" if gpu else f"no GPU ({reason}): host pages, toy sizes",
                     "granularity_bytes": backend.granularity_bytes}
-    for name, (gpu_only, fn) in SECTIONS.items():
+    backend.close()
+
+    def make_backend() -> PageBackend:
+        if gpu:
+            return select_backend("cuda", torch.device("cuda", 0))
+        return select_backend("host", "cpu", granularity_bytes=HOST_GRAN)
+
+    for name, (gpu_only, check) in SECTIONS.items():
         if gpu_only and not gpu:
             report[name] = {"skipped": "needs a GPU"}
             continue
-        run_section(report, name, lambda fn=fn: fn(backend, gpu))
-    backend.close()
+        run_section(report, name, check, make_backend, gpu)
     report["forbidden_imports"] = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN_IMPORTS))
     failed = [name for name in SECTIONS if report[name].get("ok") is False]
     failed += ["forbidden_imports"] if report["forbidden_imports"] else []

@@ -2,6 +2,7 @@
 one, `--dry-run` lists the sections, and without a GPU the same script runs its sections on host pages at
 toy sizes, importing neither SGLang nor pyzmq."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,3 +75,50 @@ def test_gpu_check_passes_on_a_gpu(tmp_path):
     graphs = report["graphs"]  # replay after offload bit for bit against the same graph before it (issue 19)
     assert graphs["replay_after_offload_exact"] and graphs["hooks_idle_while_capturing"]
     assert graphs["stale_slots_read_without_the_breaks"] and graphs["replay_close_to_eager"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_the_routed_sections_row_copy_takes_fp8_experts(dtype):
+    """The first H200 run stopped in the routed section: index_copy_ has no FP8 kernel (nor on CPU)."""
+    from eval.gpu_sections.routed_staging import copy_rows
+
+    gen = torch.Generator().manual_seed(0)
+    experts = torch.randn(6, 4, 8, generator=gen).to(dtype)
+    host = torch.randn(3, 4, 8, generator=gen).to(dtype)
+    want = experts.clone()
+    dst, src = torch.tensor([5, 1, 3]), torch.tensor([0, 2, 2])
+    for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+        want[d] = host[s]
+    copy_rows(experts, host, dst, src)
+    assert torch.equal(experts.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_section_that_raises_half_way_fails_alone():
+    """The first H200 run: the routed section raised with pages mapped, and the state section after it
+    failed its own leak check on them. Each section now gets a backend of its own; what it leaves fails
+    it and is freed."""
+    from eval.gpu_check import HOST_GRAN, run_section
+    from vamp_sglang.memory import select_backend
+
+    backends = []
+
+    def make_backend():
+        backends.append(select_backend("host", "cpu", granularity_bytes=HOST_GRAN))
+        return backends[-1]
+
+    def raises_with_pages_mapped(backend, gpu):
+        base = backend.reserve(2 * HOST_GRAN)
+        backend.map_run(base, [backend.create(HOST_GRAN) for _ in range(2)])
+        raise RuntimeError("half way")
+
+    def clean(backend, gpu):
+        return {"ok": True, "counts_at_start": dataclasses.asdict(backend.live_counts())}
+
+    report = {}
+    run_section(report, "broken", raises_with_pages_mapped, make_backend, gpu=False)
+    run_section(report, "next", clean, make_backend, gpu=False)
+    assert report["broken"]["ok"] is False and "half way" in report["broken"]["error"]
+    assert report["broken"]["left_live"] == {"reservations": 1, "mappings": 2, "handles": 2}
+    assert report["next"]["ok"] is True
+    assert report["next"]["counts_at_start"] == {"reservations": 0, "mappings": 0, "handles": 0}
+    assert backends[0] is not backends[1] and backends[0].live_counts() == backends[1].live_counts()

@@ -152,8 +152,14 @@ class _UvaCopier:
         d = torch.where(live, dst[:n], dst[0]).long()
         s = torch.where(live, src[:n], src[0]).long()
         for tensor, host in zip((store.w13, store.w2), views, strict=True):
-            tensor.index_copy_(0, d, host.index_select(0, s))
+            copy_rows(tensor, host, d, s)
         return count
+
+
+def copy_rows(tensor: torch.Tensor, host: torch.Tensor, dst_rows: torch.Tensor, src_rows: torch.Tensor) -> None:
+    """`tensor[dst_rows] = host[src_rows]` as bytes: index_copy_ has no FP8 kernel (CUDA or CPU), and a
+    byte copy is what the server's gather does too."""
+    tensor.view(torch.uint8).index_copy_(0, dst_rows, host.view(torch.uint8).index_select(0, src_rows))
 
 
 def _routed_rows(x: torch.Tensor, weights: dict, layer_ids: list[int], top_k: int, boundary: int) -> int:
