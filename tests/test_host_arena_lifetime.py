@@ -26,6 +26,16 @@ def test_the_buffer_is_its_storage_from_a_page_boundary():
     assert page_aligned_host_buffer(0).numel() == 0
 
 
+def test_the_buffer_is_private_anonymous_memory():
+    """Not shmem (Python's default for an anonymous mapping is MAP_SHARED): /proc/self/maps says 'p'."""
+    buffer = page_aligned_host_buffer(3 * OS_PAGE_BYTES)
+    start = buffer.data_ptr()
+    with open("/proc/self/maps") as maps:
+        lines = [line.split() for line in maps]
+    (perms,) = [f[1] for f in lines if int(f[0].split("-")[0], 16) <= start < int(f[0].split("-")[1], 16)]
+    assert perms.startswith("rw") and perms.endswith("p")
+
+
 def test_the_buffer_keeps_its_mapping_alive_and_writable():
     views = [page_aligned_host_buffer(2 * OS_PAGE_BYTES)[OS_PAGE_BYTES:] for _ in range(3)]
     gc.collect()  # only the views hold the mappings now

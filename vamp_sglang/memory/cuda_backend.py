@@ -61,7 +61,8 @@ def page_aligned_host_buffer(nbytes: int) -> torch.Tensor:
     H200 run). The tensor keeps the mapping alive."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, -(-nbytes // _HOST_PAGE_BYTES) * _HOST_PAGE_BYTES)
+    # private: Python's default for an anonymous mapping is MAP_SHARED, which is shmem (and shared with forks)
+    mapping = mmap.mmap(-1, -(-nbytes // _HOST_PAGE_BYTES) * _HOST_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
 
 
