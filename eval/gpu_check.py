@@ -84,33 +84,38 @@ def run_section(report: dict, name: str, check: Callable[[PageBackend, bool], di
     a host range registered, and four sections after it failed on those): pages still mapped or live,
     host arenas it dropped (collected, so unregistered), a CUDA error left pending."""
     start = time.perf_counter()
-    backend = make_backend()
+    backend = None
     try:
+        backend = make_backend()
         report[name] = check(backend, gpu)
     except Exception:  # noqa: BLE001 - one broken section must not hide the others' results
         report[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
     gc.collect()
-    left = backend.live_counts()
-    if left != LiveCounts(0, 0, 0):
-        report[name].update(ok=False, left_live=dataclasses.asdict(left))
-    backend.close()
     pending = _pending_cuda_error() if gpu else None
     if pending:
         report[name].update(ok=False, left_cuda_error=pending)
+    if backend is not None:
+        left = backend.live_counts()
+        if left != LiveCounts(0, 0, 0):
+            report[name].update(ok=False, left_live=dataclasses.asdict(left))
+        try:
+            backend.close()
+        except Exception:  # noqa: BLE001 - a section that broke the device: the next ones will say so too
+            report[name].update(ok=False, close_error=traceback.format_exc()[-1500:])
     report[name]["seconds"] = round(time.perf_counter() - start, 2)
 
 
 def _pending_cuda_error() -> str | None:
-    """An error the section's kernels raised asynchronously, or a runtime error nobody read (the runtime
-    reports it at the next launch, in the next section)."""
-    from cuda.bindings import runtime
-
+    """An error the section's kernels raised asynchronously, or a runtime error nobody read: torch reads the
+    runtime's last error after each launch (cudaGetLastError, which also clears it), so one tiny launch and
+    a synchronize report it here instead of in the next section. torch's own runtime: cuda-bindings' runtime
+    module may be a separate copy of cudart, with a last error of its own."""
     try:
+        torch.ones(1, device="cuda").add_(1)
         torch.cuda.synchronize()
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # torch.AcceleratorError is one
         return str(exc).splitlines()[0]
-    err = runtime.cudaGetLastError()[0]
-    return None if err == runtime.cudaError_t.cudaSuccess else repr(err)
+    return None
 
 
 def cuda_backend_or_reason() -> tuple[PageBackend | None, str]:

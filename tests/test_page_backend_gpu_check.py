@@ -122,3 +122,9 @@ def test_a_section_that_raises_half_way_fails_alone():
     assert report["next"]["ok"] is True
     assert report["next"]["counts_at_start"] == {"reservations": 0, "mappings": 0, "handles": 0}
     assert backends[0] is not backends[1] and backends[0].live_counts() == backends[1].live_counts()
+
+    def no_backend():
+        raise RuntimeError("no context")
+
+    run_section(report, "unbuilt", clean, no_backend, gpu=False)  # reported, not raised
+    assert report["unbuilt"]["ok"] is False and "no context" in report["unbuilt"]["error"]
