@@ -55,7 +55,10 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert graphs["first_eager_forward_after_offload_exact"] and graphs["split_w2_wait_exact"]
     assert graphs["one_page_same_through_every_address"] and graphs["no_page_leaked"]
     assert [b["batch"] for b in report["overlap"]["batches"]] == [1, 16, 64]
-    assert report["overlap"]["outputs_exact"] is True
+    assert report["overlap"]["outputs_exact"] is True  # whole and routed staging, against resident experts
+    whole_bytes = report["overlap"]["staged_bytes_per_layer"] * report["overlap"]["staged_layers"]
+    routed_bytes = [b["routed_bytes_per_step"] for b in report["overlap"]["batches"]]
+    assert 0 < routed_bytes[0] < whole_bytes and routed_bytes[-1] == whole_bytes  # batch 64 routes to them all
     routed = report["routed"]  # issue 12: routed, whole and auto steps exact; routed stages fewer bytes
     assert routed["ok"] and routed["routed_exact"] and routed["auto_exact"] and routed["routed_stages_fewer_bytes"]
     assert report["state"]["ok"] and report["state"]["slot_clear_hits_every_layer"]  # issue 11: state pool

@@ -42,7 +42,7 @@ def _check(backend: PageBackend, gpu: bool, fp8: bool) -> dict:
     boundary = stores[0].boundary_expert
     result: dict = {"offloaded_experts": experts - boundary, "copy_list_in_graph": _copy_list_graph(
         stores[0], top_k, gen) if gpu else None}
-    copier = _UvaCopier(stores) if gpu else None
+    copier = UvaCopier(stores) if gpu else None
     paged = {s.layer_id: (s.w13, s.w2) for s in stores}
 
     def forward(x: torch.Tensor, eng: StagingEngine | None, replayed: bool = False) -> torch.Tensor:
@@ -119,7 +119,7 @@ def _copy_list_graph(store, top_k: int, gen: torch.Generator) -> bool:
     return ok
 
 
-class _UvaCopier:
+class UvaCopier:
     """A torch-only routed copier for this check (the server uses SGLang's gather, which this script may
     not import): the copy list is built on the device, the host copy is read through its mapped device
     pointer, and every entry past the count copies an offloaded row onto itself from its own host row,

@@ -1,7 +1,8 @@
 """gpu_check section `overlap`: a Qwen3-Next-sized layer (512 experts, hidden 2048, expert intermediate 512,
 bf16, top-10), 4 MoE layers of which 3 stage 25% of their experts: the fraction of staging hidden behind
 the MoE compute at decode batch 1, 16 and 64, from step times with and without offload and the engine's
-own copy-event times (the host run uses toy sizes; its figures mean nothing for a GPU)."""
+own copy-event times; then the same steps with routed staging (the host run uses toy sizes; its figures mean
+nothing for a GPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from eval.gpu_sections.routed_staging import UvaCopier
 from eval.gpu_sections.toy_moe import moe_layer
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.layout import ExpertLayout
@@ -71,6 +73,9 @@ def check(backend: PageBackend, gpu: bool) -> dict:
             "copy_gb_per_s": round(stores[0].staged_bytes() * len(stores) / copy_ms / 1e6, 1) if copy_ms else None,
             "hidden_fraction": round(min(1.0, max(0.0, 1 - exposed_ms / copy_ms)), 3) if copy_ms else None})
         engine.drain()
+        routed = _routed_step(stores, tensors, layer_ids, x, used, batch, top_k, reps, backend, gpu)
+        outputs_exact &= torch.equal(routed.pop("output"), resident_out)
+        result["batches"][-1].update(routed)
         for store in stores:
             store.restore_tail(None, layout.bound_groups)
     result["staged_bytes_per_layer"] = stores[0].layout.offloadable_experts * sum(shard)
@@ -80,6 +85,38 @@ def check(backend: PageBackend, gpu: bool) -> dict:
     engine.close()
     close_expert_stores(staging, stores)
     return result
+
+
+def _routed_step(stores, tensors, layer_ids, x, used, batch, top_k, reps, backend, gpu) -> dict:
+    """The same staged step under `--vamp-staging routed`: each eligible layer copies only the offloaded
+    experts its tokens route to, on the compute stream right before its MoE (all wait, nothing hidden),
+    so it pays where few of the offloaded experts are routed (batch 1 here) and copies everything else
+    whole staging does once the batch routes to them all. On a GPU the copier is the routed section's
+    torch-only one (this script may not import SGLang's gather)."""
+    experts = stores[0].routed_experts
+    ids = (experts - used + torch.arange(batch * top_k, device=x.device) % used).view(batch, top_k)  # the tail read
+    copier = UvaCopier(stores) if gpu else None
+    engine = StagingEngine(stores, "async", staging="routed", top_k=top_k, routed_copier=copier)
+
+    def forward() -> torch.Tensor:
+        engine.begin_forward(batch)
+        out = x
+        for lid in layer_ids:
+            engine.before_moe(lid, ids)
+            w13, w2 = tensors[lid]
+            out = moe_layer(x, w13[experts - used:], w2[experts - used:])
+            engine.after_moe(lid)
+        return out
+
+    step_ms, out = _median_ms(forward, reps, backend)
+    backend.synchronize()
+    engine.drain()
+    stats = engine.stats().by_mode["routed"]
+    engine.close()
+    steps = max(1, stats["steps"])
+    return {"routed_step_ms": round(step_ms, 3),
+            "routed_copy_ms_per_step": round(stats["copy_s"] / steps * 1e3, 3),
+            "routed_bytes_per_step": int(stats["bytes"] / steps), "output": out}
 
 
 def _median_ms(forward: Callable[[], torch.Tensor], reps: int, backend: PageBackend) -> tuple[float, torch.Tensor]:
