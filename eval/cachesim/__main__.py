@@ -1,5 +1,5 @@
 """`python -m eval.cachesim --trace T.jsonl --pool-tokens N[,N2,...] [--policies lru,lfu,slru,vamp,opt]
-[--concurrency C] [--sessions S] [--scale F] [--max-requests N] --json OUT [--plot OUT.png]`
+[--concurrency C] [--sessions S] [--close-sessions] [--scale F] [--max-requests N] --json OUT [--plot OUT.png]`
 
 Pool sizes are tokens, or fractions of the trace's reusable footprint with a trailing `x`
 (`0.25x,0.5x,1x`); the footprint is printed. Request order and metrics: docs/cachesim.md.
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     parser.add_argument("--sessions", type=int, default=12, help="sessions active at once in the request order "
                         "(default 12, the eval runners' default; 0 = all)")
+    parser.add_argument("--close-sessions", action="store_true",
+                        help="each trace session is an SGLang radix-native session (--enable-session-radix-cache), "
+                        "closed after its last turn as a client's /close_session does (not for opt and bound)")
     parser.add_argument("--scale", type=float, default=1.0, help="scale token counts (eval.trace_format)")
     parser.add_argument("--max-requests", type=int, help="the first N requests of the trace file")
     parser.add_argument("--json", required=True)
@@ -105,12 +108,13 @@ def main(argv: list[str] | None = None) -> None:
         return orders.setdefault(pool, build_requests(trace, sessions, args.concurrency, pool))
 
     result = sweep(requests_for, pools, [p.strip() for p in args.policies.split(",") if p.strip()],
-                   args.concurrency)
+                   args.concurrency, args.close_sessions)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.plot:
-        plot(result, args.plot, f"{Path(args.trace).name}, concurrency {args.concurrency}", trie.reusable_tokens)
+        closed = ", sessions closed" if args.close_sessions else ""
+        plot(result, args.plot, f"{Path(args.trace).name}, concurrency {args.concurrency}{closed}", trie.reusable_tokens)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ closed-loop schedule (workload.closed_loop) with up to C requests in flight, the
 and their new KV allocated outside the tree (so neither can be evicted); requests finish at their
 scheduled tick, and one that does not fit waits for the next finish (a session's previous turn
 always finishes before its next one is admitted). A request larger than the whole pool runs uncached (all of it missed, nothing inserted).
+
+`close_sessions`: every trace session is an SGLang radix-native session, closed after its last turn
+(tree.py), so the tree knows which KV belongs to sessions that ended. The references `opt` and
+`bound` know every future use already and run without it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ EXTRA_POLICIES = ("bound",)  # the token-granular optimum (bound.py)
 
 
 def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tokens: int,
-             concurrency: int = 1, progress: bool = False) -> dict[str, float | int]:
+             concurrency: int = 1, progress: bool = False, close_sessions: bool = False) -> dict[str, float | int]:
     """Token hit rate over turns > 0, re-prefilled tokens (reusable but missed), evicted tokens."""
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1 (got {concurrency})")
@@ -33,7 +37,8 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
         if concurrency != 1:
             raise ValueError("the bound policy is defined one request at a time (--concurrency 1)")
         return simulate_bound(requests, trie, pool_tokens)
-    cache, allocator, step = build(policy, pool_tokens)
+    sessions = close_sessions and policy != "opt"
+    cache, allocator, step = build(policy, pool_tokens, sessions)
     now = [0]
     if policy == "opt":
         cache.tree_core.eviction_strategy = OptStrategy(trie, LiveLocator(trie, cache.tree_core.root_node),
@@ -47,7 +52,10 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
         first = min(range(len(inflight)), key=lambda k: inflight[k][0].finish_tick)
         request, admission = inflight[first]
         del inflight[first]
-        replay.finish(admission, request.tokens)
+        if sessions:
+            replay.finish(admission, request.tokens, request.session, close=request.last_turn)
+        else:
+            replay.finish(admission, request.tokens)
         running.discard(request.session)
 
     for request in tqdm(requests, desc=f"{policy} @ {pool_tokens}", unit="req", leave=False, disable=not progress):
@@ -60,6 +68,8 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
         while (admission := replay.admit(request.prompt, total)) is None and inflight:
             finish_oldest()
         if admission is None:  # larger than the pool: served uncached
+            if sessions and request.last_turn:
+                cache.release_radix_session(request.session)
             continue
         hits[request.index] = admission.prefix_len
         step[0] += decode_steps(request, concurrency)
@@ -77,7 +87,7 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
 
 
 def sweep(requests_for: Callable[[int], list[SimRequest]], pools: Iterable[int], policies: Iterable[str],
-          concurrency: int = 1) -> dict[str, dict[str, dict[str, dict]]]:
+          concurrency: int = 1, close_sessions: bool = False) -> dict[str, dict[str, dict[str, dict]]]:
     """`{"pools": {"<pool tokens>": {"<policy>": {hit_rate, reprefill_tokens, evictions, vs_opt}}}}`;
     vs_opt is the hit rate over opt's (None when opt is not among the policies). `requests_for(pool)`
     gives the replay order at that pool size (one order for all at concurrency 1)."""
@@ -88,7 +98,8 @@ def sweep(requests_for: Callable[[int], list[SimRequest]], pools: Iterable[int],
         requests = requests_for(pool)
         trie = tries.get(id(requests)) or tries.setdefault(id(requests), FutureTrie(requests))
         for policy in policies:
-            out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True)
+            out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True,
+                                                             close_sessions=close_sessions)
     for row in out.values():
         opt = row.get("opt", {}).get("hit_rate")
         for result in row.values():

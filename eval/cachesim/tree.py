@@ -13,6 +13,12 @@ the admission, evict the shortfall, allocate the rest of the request's KV; or re
 evictable tree does not make room, as SGLang's admission check does) and `finish` (insert the
 request's prompt and answer, free what another request inserted meanwhile, unlock). `call` wraps
 every SGLang call (eval.bench_tree times them through it).
+
+With `sessions` (SGLang's `--enable-session-radix-cache`, its radix-native sessions) `finish` also
+tags the request's KV with its session as the scheduler's `cache_finished_req` does
+(`session_refs.register_session_ref`), and releases the session after its last turn as a client's
+`/close_session` does (`release_radix_session`); SGLang then evicts KV no open session holds first.
+The request SGLang's tracker reads is a namespace of the four fields it uses: there is no scheduler here.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -59,15 +66,18 @@ def cache_spec(policy: str) -> tuple[str, str, type]:
     return "rust", policy, UnifiedRadixCache
 
 
-def build(policy: str, pool_tokens: int) -> tuple[UnifiedRadixCache, TokenToKVPoolAllocator, list[int]]:
-    """The cache, its allocator and the step counter VAMP's ages read (a one-element list)."""
+def build(policy: str, pool_tokens: int,
+          sessions: bool = False) -> tuple[UnifiedRadixCache, TokenToKVPoolAllocator, list[int]]:
+    """The cache, its allocator and the step counter VAMP's ages read (a one-element list). `sessions`:
+    SGLang's radix-native sessions on (its Python tree core; the Rust core has none)."""
     backend, eviction, cache_class = cache_spec(policy)
     kv = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.float16, head_num=1, head_dim=1,
                           layer_num=1, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                              page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=eviction,
-                             tree_core_backend=backend)
+                             tree_core_backend="python" if sessions and backend == "rust" else backend,
+                             enable_session_radix_cache=sessions)
     cache = cache_class(params)
     step = [0]
     if isinstance(cache.tree_core, radix_tree.VampTreeCore):
@@ -114,8 +124,11 @@ class TreeReplay:
         admission.new = allocator.alloc(need) if need else prefix[:0]
         return admission
 
-    def finish(self, admission: Admission, tokens: list[int]) -> None:
-        """The request is done: its prompt and answer (`tokens`) enter the tree; unlock its prefix."""
+    def finish(self, admission: Admission, tokens: list[int], session: str | None = None,
+               close: bool = False) -> None:
+        """The request is done: its prompt and answer (`tokens`) enter the tree; unlock its prefix. With
+        the cache's sessions on, `session` tags what it left in the tree, and `close` ends the session."""
+        result = None
         if admission.new is not None:
             key = RadixKey(array("q", tokens))
             params = InsertParams(key=key, value=torch.cat([admission.prefix, admission.new]),
@@ -129,3 +142,10 @@ class TreeReplay:
             if present > 0:
                 self.allocator.free(admission.new[:present])
         self.cache.unlock(admission.lock)
+        if session is not None and self.cache.enable_session_radix_cache:
+            if result is not None:
+                req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
+                                      session_generation=self.cache.ensure_session_generation(session))
+                self.cache.session_refs.register_session_ref(req, leaf=result.last_device_node)
+            if close:
+                self.cache.release_radix_session(session)

@@ -38,6 +38,7 @@ class SimRequest:
     answer: list[int]
     admit_tick: int = 0  # the closed-loop schedule (`closed_loop`); 0 one request at a time
     finish_tick: int = 0
+    last_turn: bool = False  # the session's last request in replay order: a client closes its session after it
 
     @property
     def tokens(self) -> list[int]:
@@ -120,13 +121,15 @@ def build_requests(trace: list[TraceRequest], sessions: int | None, concurrency:
     else:
         schedule = [(r, 0, 0) for r in interleave(trace, sessions)]
     context: dict[str, list[int]] = {}
+    last = {request.session: index for index, (request, _, _) in enumerate(schedule)}
     out = []
     for index, (request, admit_tick, finish_tick) in enumerate(schedule):
         history = context.get(request.session, [])
         prompt = history + new_turn_tokens(request, len(history), SPACE)
         answer_id = _ANSWER_IDS + index
         answer = [block_token(answer_id, k, SPACE) for k in range(request.output_tokens)]
-        out.append(SimRequest(index, request.session, request.turn, prompt, answer, admit_tick, finish_tick))
+        out.append(SimRequest(index, request.session, request.turn, prompt, answer, admit_tick, finish_tick,
+                              last[request.session] == index))
         context[request.session] = prompt + answer
     return out
 

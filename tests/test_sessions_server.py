@@ -1,0 +1,84 @@
+"""Through a real CPU server: a session the client closes gives its KV up first under VAMP's order.
+
+SGLang's radix-native sessions (`--enable-session-radix-cache`): a request that carries a `session_id`
+tags the KV it leaves in the tree with its session, and `/close_session` releases the tag. SGLang's
+eviction then takes the KV of no open session first and orders the rest by the tree's own policy,
+here VAMP's (`--radix-cache-backend vamp --radix-eviction-policy vamp`, offloading off so a shortfall
+evicts). This is how a server learns that a session ended, which no reuse estimate can know in time
+(docs/evaluation.md: with it, VAMP comes within 95 % of the offline optimum on the SWE-agent trace).
+
+Three sessions A, B, C write one turn each; B closes; a one-shot prompt then needs more than the free
+pool. Without the close, VAMP's order would not pick the middle session first (never-hit KV of one
+writer class goes oldest first by p_eff, or newest first while every p_eff is 0 or when expected back),
+so B losing its KV while A and C keep theirs is the close at work. VAMP is on (`--vamp-policy
+evict-first`, so the shortfall is met by eviction, not by growing the pool): the decision's planner walks
+the same session-first order (integration/radix_eviction.py) before SGLang evicts.
+"""
+
+import json
+import random
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
+
+pytestmark = pytest.mark.server
+MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
+POOL_TOKENS = 2048
+TURN_TOKENS, NEW_TOKENS = 400, 8  # three sessions hold ~1,224 tokens of the pool
+ONE_SHOT_TOKENS = 1100  # more than the ~824 tokens left free: one session's KV must go
+FLAGS = ("--vamp-max-offload-ratio", "0.15", "--vamp-policy", "evict-first", "--enable-session-radix-cache")
+
+
+def _close_session(url: str, session_id: str) -> None:
+    body = json.dumps({"session_id": session_id}).encode()
+    request = urllib.request.Request(f"{url}/close_session", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+
+
+@pytest.fixture(scope="module")
+def second_turns(tmp_path_factory):
+    model = ensure_tiny_model(MODEL)
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    draw = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # ids below 10 are special tokens
+    greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
+    with Server(setup, ServerConfig("vamp-sessions", FLAGS)) as server:
+        url = server.url
+        histories = {}
+        for session in "ABC":
+            prompt = draw(TURN_TOKENS)
+            out = post_json(f"{url}/generate", {"input_ids": prompt, "sampling_params": greedy,
+                                                "session_id": session})
+            histories[session] = prompt + out["output_ids"]
+        _close_session(url, "B")
+        one_shot = post_json(f"{url}/generate", {"input_ids": draw(ONE_SHOT_TOKENS), "sampling_params": greedy})
+        cached = {}
+        for session in "ACB":  # B last: its turn must not evict A's or C's KV before they are read
+            body = {"input_ids": histories[session] + draw(16), "sampling_params": greedy}
+            if session != "B":
+                body["session_id"] = session
+            cached[session] = post_json(f"{url}/generate", body)["meta_info"]["cached_tokens"]
+        stats = get_json(f"{url}/vamp/stats")
+    print(f"second turns cached {cached} of {TURN_TOKENS + NEW_TOKENS} tokens; one-shot cached "
+          f"{one_shot['meta_info']['cached_tokens']}; evicted {stats['radix']['evicted_tokens']} tokens")
+    return cached, stats
+
+
+def test_the_closed_session_is_evicted_first(second_turns):
+    cached, stats = second_turns
+    assert stats["radix"]["evicted_tokens"] > 0, "the one-shot prompt did not cause an eviction"
+    # the last output token is not in the tree (SGLang caches up to the last token it computed KV for)
+    assert cached["A"] >= TURN_TOKENS + NEW_TOKENS - 1, cached
+    assert cached["C"] >= TURN_TOKENS + NEW_TOKENS - 1, cached
+    assert cached["B"] < TURN_TOKENS, cached
+
+
+def test_the_decision_saw_the_shortfall_and_evicted(second_turns):
+    _, stats = second_turns
+    assert stats["decisions"]["evict"] >= 1, stats["decisions"]
+    assert stats["decision_errors"] == 0
