@@ -1,4 +1,4 @@
-"""`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --json OUT]`.
+"""`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --radix-sessions --json OUT]`.
 
 What one VAMP decision costs at a KV shortfall, against SGLang's own eviction on the same tree.
 The tree is SGLang's real `UnifiedRadixCache` over our tree core: S multi-turn sessions behind one
@@ -19,6 +19,9 @@ reused from an earlier measurement):
 - `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan runs.
 
 The default reports two trees: 500 sessions (10,006 nodes) and 5,000 (100,006 nodes, fewer repeats).
+`--radix-sessions`: the same trees under SGLang's radix-native sessions (`--enable-session-radix-cache`), every
+session's last turn tagged with its session and every other session closed, so the key is SGLang's
+(open, refs, the tree's priority) and evictions take the closed sessions' turns.
 
 After each eviction the evicted turns are written back, so every repeat sees the same tree.
 Prints the medians and p99s and their ratio to SGLang's eviction, as JSON too; a script, not a
@@ -33,6 +36,7 @@ import random
 import statistics
 import time
 from array import array
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -51,7 +55,7 @@ SYSTEM_PROMPT_TOKENS = 256
 TURN_TOKENS = (16, 48)  # each turn adds this many tokens (uniform)
 
 
-def build_tree(sessions: int, turns: int, seed: int):
+def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = False):
     """The cache, its step counter, and each session's turns (to write evicted ones back)."""
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(SYSTEM_PROMPT_TOKENS)]
@@ -65,7 +69,7 @@ def build_tree(sessions: int, turns: int, seed: int):
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                              page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,
-                             tree_core_backend=radix_backend.NAME)
+                             tree_core_backend=radix_backend.NAME, enable_session_radix_cache=radix_sessions)
     cache = radix_tree.VampUnifiedRadixCache(params)
     step = [0]
     radix_backend.bind_step_source(cache, lambda: step[0])
@@ -77,6 +81,15 @@ def build_tree(sessions: int, turns: int, seed: int):
             if rng.random() < 0.7:  # the next turn reuses this one: count an admission through it
                 match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", history[t]))))
                 core.record_admission(match.last_device_node, match.device_prefix_len, len(history[t]), True)
+    if radix_sessions:
+        for i, history in enumerate(histories):
+            session = f"s{i}"  # the session's KV, as the scheduler tags a finished request's (cache_finished_req)
+            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", history[-1]))))
+            req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
+                                  session_generation=cache.ensure_session_generation(session))
+            cache.session_refs.register_session_ref(req, leaf=match.last_device_node)
+            if i % 2:
+                cache.release_radix_session(session)
     return cache, allocator, step, histories
 
 
@@ -128,6 +141,7 @@ def main() -> None:
     parser.add_argument("--gap-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=200, help="for the first tree; a tenth (>= 20) for larger")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--radix-sessions", action="store_true", help="SGLang's radix-native sessions on, half closed")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -136,7 +150,7 @@ def main() -> None:
     results = []
     for i, sessions in enumerate(int(v) for v in args.sessions.split(",")):
         repeats = args.repeats if i == 0 else max(20, args.repeats // 10)
-        results.append(bench_tree(sessions, args.turns, args.gap_tokens, repeats, args.seed))
+        results.append(bench_tree(sessions, args.turns, args.gap_tokens, repeats, args.seed, args.radix_sessions))
     print(json.dumps(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -154,8 +168,9 @@ def stock_evict(cache, n_tokens: int) -> None:
         full.__dict__.update(patched)
 
 
-def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: int) -> dict:
-    cache, allocator, step, histories = build_tree(sessions, turns, seed)
+def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: int,
+               radix_sessions: bool = False) -> dict:
+    cache, allocator, step, histories = build_tree(sessions, turns, seed, radix_sessions)
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
@@ -185,7 +200,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     stats = {name: summary(samples) for name, samples in times.items()}
     base = stats["sglang_evict"]["median"]
     result = {"nodes": nodes, "evictable_leaves": leaves, "gap_tokens": gap_tokens, "repeats": repeats,
-              "plans": sorted(actions)}
+              "radix_sessions": radix_sessions, "plans": sorted(actions)}
     for name in names:
         result[f"{name}_us_median"], result[f"{name}_us_p99"] = stats[name]["median"], stats[name]["p99"]
         if name != "sglang_evict":

@@ -10,6 +10,7 @@ the kept structure gives must be the one a heap over every evictable leaf gives 
 import gc
 import random
 import weakref
+from types import SimpleNamespace
 
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -74,10 +75,34 @@ TestKeptOrder.settings = settings(max_examples=10, stateful_step_count=25, deadl
                                   suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_sessions_and_other_policies_keep_sglangs_heap():
-    for sessions, policy in [(True, "vamp"), (False, "lru")]:
-        cache, _ = build_cache(1, sessions, policy)
-        assert cache.tree_core.vamp_leaf_order is None
+class KeptOrderSessionsMachine(KeptOrderMachine):
+    """With SGLang's radix-native sessions: KV of no open session first, then fewer open sessions first, then
+    VAMP's order (FullComponent's key); sessions tag what requests leave and close, through SGLang's tracker."""
+
+    sessions = True
+
+    @rule(data=st.data(), session=st.sampled_from("abc"))
+    def tag_with_session(self, data, session):
+        """A finished request of `session`: its KV, matched here, is registered as cache_finished_req does."""
+        match = self._match(data.draw(self.sequences()))
+        if match.device_prefix_len:
+            req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
+                                  session_generation=self.cache.ensure_session_generation(session))
+            self.cache.session_refs.register_session_ref(req, leaf=match.last_device_node)
+
+    @rule(session=st.sampled_from("abc"))
+    def close_session(self, session):
+        self.cache.release_radix_session(session)
+
+
+TestKeptOrderSessions = KeptOrderSessionsMachine.TestCase
+TestKeptOrderSessions.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_other_policies_keep_sglangs_heap():
+    cache, _ = build_cache(1, False, "lru")
+    assert cache.tree_core.vamp_leaf_order is None
 
 
 class _Node:

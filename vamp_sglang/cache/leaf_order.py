@@ -2,8 +2,7 @@
 
 The order (cache/ordering.py) puts nodes not expected back first, by p_eff (Eq. 1), then nodes expected
 back, never-hit before hit, by farthest expected next use T. T is fixed while a node's statistics and
-its class's published interval are, so the expected-back leaves are two heaps per request priority
-(never hit, hit), keyed by (-T, -created), exact; another heap holds their deadlines (the step after
+its class's published interval are, so the expected-back leaves are two heaps per rank (never hit, hit), keyed by (-T, -created), exact; another heap holds their deadlines (the step after
 which a node is no longer expected back), and every walk first moves the leaves whose deadline has
 passed to the p_eff groups (once each: time only moves forward).
 
@@ -21,6 +20,10 @@ yields the exact heap's head only once that head is below every bound not yet ta
 at most its node's real key, the order is the full re-sort's exactly (`tests/test_radix_kept_order.py`
 checks it against SGLang's heap on random operation sequences), at the cost of the nodes whose p_eff
 ties the last one evicted, not of every leaf.
+
+With SGLang's radix-native sessions (`--enable-session-radix-cache`) SGLang orders leaves by (held by an open
+session, how many, the tree's priority): the rank of every group is then (open, refs, request priority) instead
+of the request priority alone, and a leaf is re-filed when a session's coverage moves over it.
 
 A leaf must be re-filed (`add`) whenever its statistics change: an expected-back entry is exact, and a
 node used again may be expected later than it said. The tree re-files through SGLang's leaf-set updates
@@ -50,11 +53,12 @@ from vamp_sglang.cache.ordering import (
 )
 from vamp_sglang.cache.reuse_share import writer_class
 
-# a group key is (request priority, kind, writer class code, hits); the class and hits only for P_EFF
+# a group key is (rank, kind, writer class code, hits); the class and hits only for P_EFF; the rank is the request
+# priority, or with sessions (open, refs, request priority)
 ZERO, P_EFF, EXPECTED_NEVER_HIT, EXPECTED_HIT = 0, 1, 2, 3  # kinds: r_hit = 0 (exact), by p_eff, expected back
 assert EXPECTED_MIN_REUSE <= 0.5, "a hit node's r_hit >= 1/2 must be expected back whatever its class prior"
 
-# (request priority, hits, last step, created step, writer's hit rate or None) of a node
+# (rank, hits, last step, created step, writer's hit rate or None) of a node
 Describe = Callable[[Any], tuple[int, int, int, int, "float | None"]]
 
 
@@ -73,9 +77,12 @@ def class_mode(prior: float | None, gap_steps: float | None) -> object:
 class LeafOrder:
     """The evictable leaves of one tree, in groups as the module says; updated as leaves come and go."""
 
-    def __init__(self, alpha: float, tau_steps: float, describe: Describe) -> None:
+    def __init__(self, alpha: float, tau_steps: float, describe: Describe, sessions: bool = False) -> None:
         self.alpha, self.tau_steps, self.describe = alpha, tau_steps, describe
-        self.groups: dict[tuple[int, int, int, int], list[tuple]] = {}  # group key -> heap of entries
+        # sessions: a leaf's rank is (held by an open session, open sessions holding it, request priority), the
+        # head of SGLang's session-ref key (ref > 0, ref, the tree's priority) wrapped around the tree's priority
+        self.sessions = sessions
+        self.groups: dict[tuple, list[tuple]] = {}  # group key -> heap of entries
         # id -> (group key, heap entry, described, node); heap entries are (last, created, id) ((-created, last, id)
         # for r_hit = 0, (-T, -created, id) expected back) and never hold the node, so a node SGLang drops
         # is freed then, not when a later walk pops its dead entry
@@ -125,7 +132,7 @@ class LeafOrder:
         old = self.entries.get(node.id)
         if old is not None and old[2] == described and not force:
             return False
-        priority, hits, last, created, writer_rate = described
+        rank, hits, last, created, writer_rate = described
         cls = writer_class(writer_rate)
         if old is not None and not old[2][1]:
             self.never_hit[writer_class(old[2][4])].discard(node.id)
@@ -133,13 +140,13 @@ class LeafOrder:
             self.never_hit.setdefault(cls, set()).add(node.id)
         rho = self.priors.get(cls)
         r_hit = (hits + (rho or 0.0)) / (hits + 1)
-        key, entry = (priority, P_EFF, -1 if cls is None else cls, hits), (last, created, node.id)
+        key, entry = (rank, P_EFF, -1 if cls is None else cls, hits), (last, created, node.id)
         gap = reuse_interval_steps(node.vamp_stats, r_hit, self.gaps.get(cls))
         if gap is not None and (until := expected_back_until(node.vamp_stats, gap)) >= self.now:
-            key, entry = (priority, EXPECTED_HIT if hits else EXPECTED_NEVER_HIT, 0, 0), (-(last + gap), -created, node.id)
+            key, entry = (rank, EXPECTED_HIT if hits else EXPECTED_NEVER_HIT, 0, 0), (-(last + gap), -created, node.id)
             heapq.heappush(self.deadlines, (until, entry))
         elif r_hit <= 0.0 and rho is not None:
-            key, entry = (priority, ZERO, 0, 0), (-created, last, node.id)
+            key, entry = (rank, ZERO, 0, 0), (-created, last, node.id)
         if old is not None:
             self.dead += 1
         self.entries[node.id] = (key, entry, described, node)
@@ -214,21 +221,25 @@ class LeafOrder:
                               if (current := entries.get(entry[2])) is not None and current[1] is entry]
             heapq.heapify(self.deadlines)
 
-    def bound(self, key: tuple[int, int, int, int], entry: tuple, now: float) -> tuple:
+    def bound(self, key: tuple, entry: tuple, now: float) -> tuple:
         """At most the tree's priority tuple of the node: exact expected back and for r_hit = 0,
-        (1, priority, NOT_EXPECTED, p_eff) by p_eff (the node's own, a prefix of its key)."""
-        kind = key[1]
+        (1, priority, NOT_EXPECTED, p_eff) by p_eff (the node's own, a prefix of its key); with sessions
+        inside the node's (open, refs) head."""
+        rank, kind = key[0], key[1]
+        priority = rank[2] if self.sessions else rank
         if kind >= EXPECTED_NEVER_HIT:
-            return (1, key[0], EXPECTED, kind - EXPECTED_NEVER_HIT, entry[0], entry[1])
-        if kind == ZERO:
-            return (1, key[0], NOT_EXPECTED, 0.0, entry[0], entry[1])
-        r_hit = self.rates.get(key)
-        if r_hit is None:
-            hits = key[3]
-            r_hit = self.rates[key] = (hits + self.priors.get(None if key[2] < 0 else key[2], 0.0)) / (hits + 1)
-        last = entry[0]
-        age = now - last if now > last else 0
-        return (1, key[0], NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
+            value = (1, priority, EXPECTED, kind - EXPECTED_NEVER_HIT, entry[0], entry[1])
+        elif kind == ZERO:
+            value = (1, priority, NOT_EXPECTED, 0.0, entry[0], entry[1])
+        else:
+            r_hit = self.rates.get(key)
+            if r_hit is None:
+                hits = key[3]
+                r_hit = self.rates[key] = (hits + self.priors.get(None if key[2] < 0 else key[2], 0.0)) / (hits + 1)
+            last = entry[0]
+            age = now - last if now > last else 0
+            value = (1, priority, NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
+        return (rank[0], rank[1], value) if self.sessions else value
 
     def walk(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float],
              exact: Callable[[Any], tuple], admits: Callable[[Any], bool]) -> OrderedWalk:

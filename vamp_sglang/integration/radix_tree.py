@@ -28,8 +28,9 @@ maintains (`evictable_device_leaves`, updated on insert, split, lock, unlock and
 each change to a `LeafOrder`, and both the planner's read-only walk (`vamp_eviction_order`) and the
 eviction SGLang runs (its FULL component's device walk, replaced on this tree) take leaves from it in
 exactly the order SGLang's heap over every leaf would give, pricing only the leaves near the front.
-Trees where that order is not ours alone keep SGLang's heap: hybrid trees (states come and go
-outside the leaf set), session-ref ordering, and eviction policies other than `vamp`. Priorities are
+With SGLang's radix-native sessions the order is SGLang's session-ref key around ours, kept the same way
+(a session's coverage moving re-files the leaves on its path). Trees where that order is not ours alone keep
+SGLang's heap: hybrid trees (states come and go outside the leaf set) and eviction policies other than `vamp`. Priorities are
 memoised per node for the current step and published priors (a node's own change drops its entry),
 so the planner's walk and the eviction that follows share one computation.
 """
@@ -85,15 +86,22 @@ class VampTreeCore(UnifiedTreeCore):
         self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
         self.vamp_leaf_order: LeafOrder | None = None  # set below where the order is p_eff's alone
         self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
+        self.vamp_sessions = False  # SGLang's radix-native sessions order the leaves first (set below)
         super().__init__(params, components)
         self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
         if isinstance(self.eviction_strategy, VampStrategy):
             self.eviction_strategy.bind(self.vamp_priority)
             full = self.components_by_type[_FULL]
-            if not self.vamp_hybrid and full.session_ref_eviction_strategy is None:
+            # SGLang's own session-ref key (--enable-session-radix-cache) is one the kept order ranks by
+            self.vamp_sessions = full.session_ref_eviction_strategy == full._session_ref_eviction_strategy
+            if not self.vamp_hybrid and (full.session_ref_eviction_strategy is None or self.vamp_sessions):
                 c = order.coefficients
-                self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe)
+                describe = _describe_in_sessions if self.vamp_sessions else _describe
+                self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, describe, self.vamp_sessions)
                 self._watch_leaves()
+                if self.vamp_sessions:
+                    for name in ("_advance_session_coverage", "_dec_session_coverage", "_recede_session_coverage"):
+                        setattr(full, name, self._refiling_after(getattr(full, name)))
                 full._evict_device_start = self._vamp_evict_start  # SGLang's heap over every leaf, replaced
                 full._evict_device_next_node = self._vamp_evict_next
                 full._evict_device_end = self._vamp_evict_end
@@ -111,10 +119,29 @@ class VampTreeCore(UnifiedTreeCore):
         for node in self.evictable_device_leaves:
             order.add(node)
 
+    def _refiling_after(self, move: Callable[..., None]) -> Callable[..., None]:
+        """A session's coverage move (FullComponent's, walking from `leaf` towards the root), then the evictable
+        leaves on that path re-filed: their rank holds their session references."""
+        def moved(session_id: str, leaf: UnifiedTreeNode, *args: Any) -> None:
+            move(session_id, leaf, *args)
+            node, leaves = leaf, self.evictable_device_leaves
+            while node is not None and node is not self.root_node:
+                if node in leaves:
+                    self.vamp_leaf_order.add(node)
+                node = node.parent
+        return moved
+
     def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool]) -> OrderedWalk:
-        """Evictable leaves in `vamp_priority` order from the kept order (needs `vamp_leaf_order`); leaves that
-        become evictable while it is open (the parents its own evictions free) join it."""
+        """Evictable leaves in the order SGLang's heap would give (`vamp_priority`, inside the session-ref key
+        with sessions) from the kept order (needs `vamp_leaf_order`); leaves that become evictable while it is
+        open (the parents its own evictions free) join it."""
         priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
+        if self.vamp_sessions:
+            priced = priority
+
+            def priority(node: UnifiedTreeNode) -> tuple:  # FullComponent._session_ref_eviction_strategy's key
+                refs = node.component_data[_FULL].session_ref
+                return (refs > 0, refs, priced(node))
         return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
                                          self.vamp_shares.published_gaps, priority, admits)
 
@@ -265,6 +292,11 @@ class VampUnifiedRadixCache(UnifiedRadixCache):
 def _describe(node: UnifiedTreeNode) -> tuple:
     stats = node.vamp_stats
     return (node.priority, stats.hits, stats.last_step, stats.created_step, stats.prior)
+
+
+def _describe_in_sessions(node: UnifiedTreeNode) -> tuple:
+    stats, refs = node.vamp_stats, node.component_data[_FULL].session_ref
+    return ((refs > 0, refs, node.priority), stats.hits, stats.last_step, stats.created_step, stats.prior)
 
 
 class _WatchedLeaves(set):
