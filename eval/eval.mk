@@ -11,7 +11,7 @@ EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
 .PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision \
-	bench-staging bench-staging-server cachesim
+	bench-staging bench-staging-server cachesim cachesim-figures
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -56,3 +56,15 @@ cachesim: install
 	OMP_NUM_THREADS=1 $(PY) -m eval.cachesim --trace $(RESULTS)/cachesim/multiturn.jsonl \
 		--pool-tokens 0.25x,0.5x,0.75x,1x --policies lru,lfu,slru,vamp,opt,bound \
 		--json $(RESULTS)/cachesim/multiturn.json --plot $(RESULTS)/cachesim/multiturn.png
+
+# The README's three simulator figures (docs/img/cachesim-*.png): every policy, plain and with sessions closed.
+CACHESIM_SWEEP = OMP_NUM_THREADS=1 $(PY) -m eval.cachesim --pool-tokens 0.25x,0.5x,0.75x,1x \
+	--policies lru,lfu,vamp,opt,bound --close-sessions
+cachesim-figures: model
+	$(PY) -m eval.make_trace multiturn --sessions 12 --out $(RESULTS)/cachesim/multiturn.jsonl
+	$(PY) -m eval.make_trace mooncake --max-requests 2000 --scale 0.0625 --out $(RESULTS)/cachesim/mooncake.jsonl
+	$(PY) -m eval.make_trace sweagent --scale 0.25 --model-path $(MODEL) --out $(RESULTS)/cachesim/sweagent.jsonl
+	for trace in multiturn mooncake sweagent; do \
+		$(CACHESIM_SWEEP) --trace $(RESULTS)/cachesim/$$trace.jsonl --json $(RESULTS)/cachesim/$$trace-all.json \
+			--plot docs/img/cachesim-$$trace.png || exit 1; \
+	done

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from eval.cachesim.oracle import FutureTrie
-from eval.cachesim.sim import DEFAULT_POLICIES, sweep
+from eval.cachesim.sim import CLOSED, DEFAULT_POLICIES, sweep
 from eval.cachesim.tree import prepare
 from eval.cachesim.workload import build_requests
 from eval.trace_format import TraceFormatError, load_trace, scale_request
@@ -39,9 +39,12 @@ def plot(result: dict, path: str, title: str, footprint: int) -> None:
     pools = sorted(result["pools"], key=int)
     policies = list(result["pools"][pools[0]])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bases = [p for p in policies if CLOSED not in p]
     for policy in policies:
+        base = policy.removesuffix(CLOSED)  # a closed replay: its policy's colour, dotted
         ax.plot([int(p) / footprint for p in pools], [result["pools"][p][policy]["hit_rate"] for p in pools],
-                marker="o", label=policy, linestyle="--" if policy == "opt" else "-")
+                marker="o", label=policy, color=f"C{bases.index(base) % 10}",
+                linestyle="--" if policy == "opt" else ":" if policy != base else "-")
     ax.set_xlabel(f"KV pool / reusable footprint ({footprint} tokens)")
     ax.set_ylabel("token hit rate (turns > 0)")
     ax.set_ylim(0, 1)
@@ -76,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=int, default=12, help="sessions active at once in the request order "
                         "(default 12, the eval runners' default; 0 = all)")
     parser.add_argument("--close-sessions", action="store_true",
-                        help="each trace session is an SGLang radix-native session (--enable-session-radix-cache), "
-                        "closed after its last turn as a client's /close_session does (not for opt and bound)")
+                        help="also replay each policy (but opt and bound) with every trace session an SGLang "
+                        "radix-native session (--enable-session-radix-cache) closed after its last turn, as a "
+                        "client's /close_session does: reported as <policy>/closed")
     parser.add_argument("--scale", type=float, default=1.0, help="scale token counts (eval.trace_format)")
     parser.add_argument("--max-requests", type=int, help="the first N requests of the trace file")
     parser.add_argument("--json", required=True)
@@ -113,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.plot:
-        closed = ", sessions closed" if args.close_sessions else ""
-        plot(result, args.plot, f"{Path(args.trace).name}, concurrency {args.concurrency}{closed}", trie.reusable_tokens)
+        plot(result, args.plot, f"{Path(args.trace).name}, concurrency {args.concurrency}", trie.reusable_tokens)
 
 
 if __name__ == "__main__":

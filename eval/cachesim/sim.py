@@ -9,7 +9,8 @@ always finishes before its next one is admitted). A request larger than the whol
 
 `close_sessions`: every trace session is an SGLang radix-native session, closed after its last turn
 (tree.py), so the tree knows which KV belongs to sessions that ended. The references `opt` and
-`bound` know every future use already and run without it.
+`bound` know every future use already and run without it; `sweep` reports such a replay beside the
+plain one, as "<policy>/closed".
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from eval.cachesim.workload import SimRequest, decode_steps
 
 DEFAULT_POLICIES = ("lru", "lfu", "slru", "vamp", "opt")
 EXTRA_POLICIES = ("bound",)  # the token-granular optimum (bound.py)
+KNOWS_THE_FUTURE = ("opt", "bound")  # the references: a session's close tells them nothing
+CLOSED = "/closed"  # the suffix of a policy replayed with sessions closed (`sweep`)
 
 
 def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tokens: int,
@@ -37,7 +40,7 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
         if concurrency != 1:
             raise ValueError("the bound policy is defined one request at a time (--concurrency 1)")
         return simulate_bound(requests, trie, pool_tokens)
-    sessions = close_sessions and policy != "opt"
+    sessions = close_sessions and policy not in KNOWS_THE_FUTURE
     cache, allocator, step = build(policy, pool_tokens, sessions)
     now = [0]
     if policy == "opt":
@@ -90,16 +93,21 @@ def sweep(requests_for: Callable[[int], list[SimRequest]], pools: Iterable[int],
           concurrency: int = 1, close_sessions: bool = False) -> dict[str, dict[str, dict[str, dict]]]:
     """`{"pools": {"<pool tokens>": {"<policy>": {hit_rate, reprefill_tokens, evictions, vs_opt}}}}`;
     vs_opt is the hit rate over opt's (None when opt is not among the policies). `requests_for(pool)`
-    gives the replay order at that pool size (one order for all at concurrency 1)."""
+    gives the replay order at that pool size (one order for all at concurrency 1). `close_sessions` adds
+    "<policy>/closed": each policy but opt and bound again with every session closed after its last turn."""
     pools, policies = list(pools), list(policies)
     tries: dict[int, FutureTrie] = {}
     out: dict[str, dict[str, dict]] = {}
     for pool in tqdm(pools, desc="cachesim pools", unit="pool"):
         requests = requests_for(pool)
         trie = tries.get(id(requests)) or tries.setdefault(id(requests), FutureTrie(requests))
+        row = out.setdefault(str(pool), {})
         for policy in policies:
-            out.setdefault(str(pool), {})[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True,
-                                                             close_sessions=close_sessions)
+            row[policy] = simulate(requests, trie, policy, pool, concurrency, progress=True)
+        for policy in policies if close_sessions else ():
+            if policy not in KNOWS_THE_FUTURE:
+                row[f"{policy}{CLOSED}"] = simulate(requests, trie, policy, pool, concurrency, progress=True,
+                                                    close_sessions=True)
     for row in out.values():
         opt = row.get("opt", {}).get("hit_rate")
         for result in row.values():
