@@ -5,7 +5,8 @@ must hold a session's KV on an estimate of its next turn, and the estimate canno
 from one that is late: VAMP keeps an ended session's KV for 1.5 of its reuse intervals (cache/ordering.py),
 nearest expected use last, while the offline optimum drops it at once. A client that closes its session
 (SGLang's `/close_session`, `--enable-session-radix-cache`) tells the tree; `eval.cachesim --close-sessions`
-replays that, and SGLang then evicts KV of no open session first, the rest in the tree's own order.
+replays that, and SGLang then evicts KV of no open session first, then KV fewer open sessions hold, each
+in the tree's own order.
 """
 
 import json
@@ -70,13 +71,20 @@ def test_without_the_close_vamp_comes_within_95_percent(rates):
 def test_a_closed_session_holds_no_reference_and_an_open_one_does():
     cache, allocator, _ = build("vamp", 1024, sessions=True)
     replay = TreeReplay(cache, allocator)
+    full = cache.tree_core.components_by_type[ComponentType.FULL]
+
+    def refs():
+        return {node.key.token_ids[0]: full.session_ref(node) for node in cache.tree_core.evictable_device_leaves}
+
     for session, first in (("a", 1), ("b", 500)):
         prompt = list(range(first, first + 100))
         admission = replay.admit(prompt, 110)
-        replay.finish(admission, prompt + list(range(9000 + first, 9010 + first)), session, close=session == "a")
-    full = cache.tree_core.components_by_type[ComponentType.FULL]
-    refs = {node.key.token_ids[0]: full.session_ref(node) for node in cache.tree_core.evictable_device_leaves}
-    assert refs == {1: 0, 500: 1}
+        replay.finish(admission, prompt + list(range(9000 + first, 9010 + first)), session)
+    assert refs() == {1: 1, 500: 1}
+    admission = replay.admit(list(range(1, 101)), 120)  # a's last turn: its history and 10 new tokens
+    replay.finish(admission, list(range(1, 101)) + list(range(9001, 9011)) + list(range(7000, 7010)), "a",
+                  close=True)
+    assert refs() == {7000: 0, 500: 1}  # the turn's new KV is the leaf now; closed, nothing holds it
 
 
 def test_cli_reports_each_policy_closed_beside_it_in_the_closed_loop_too(tmp_path):

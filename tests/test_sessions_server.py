@@ -2,7 +2,7 @@
 
 SGLang's radix-native sessions (`--enable-session-radix-cache`): a request that carries a `session_id`
 tags the KV it leaves in the tree with its session, and `/close_session` releases the tag. SGLang's
-eviction then takes the KV of no open session first and orders the rest by the tree's own policy,
+eviction then takes the KV of no open session first, then KV fewer open sessions hold, each by the tree's policy,
 here VAMP's (`--radix-cache-backend vamp --radix-eviction-policy vamp`, offloading off so a shortfall
 evicts). This is how a server learns that a session ended, which no reuse estimate can know in time
 (docs/evaluation.md: with it, VAMP comes within 95 % of the offline optimum on the SWE-agent trace).
@@ -28,7 +28,9 @@ pytestmark = pytest.mark.server
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 POOL_TOKENS = 2048
 TURN_TOKENS, NEW_TOKENS = 400, 8  # three sessions hold ~1,224 tokens of the pool
-ONE_SHOT_TOKENS = 1100  # more than the ~824 tokens left free: one session's KV must go
+# more than the ~824 tokens left free: one session's KV must go. Each session's KV is a 400-token prompt and a 7-token
+# answer node; the shortfall (~280 tokens) must stay between 7 and ~407 tokens, or A's or C's answer goes too
+ONE_SHOT_TOKENS = 1100
 FLAGS = ("--vamp-max-offload-ratio", "0.15", "--vamp-policy", "evict-first", "--enable-session-radix-cache")
 
 

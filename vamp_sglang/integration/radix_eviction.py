@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeNode
 
 from vamp_sglang.cache import EvictionEstimate, HybridTree, estimate, eviction_order, tokens_losing_reuse
 from vamp_sglang.integration.radix_tree import VampTreeCore, tree_core_of
+from vamp_sglang.integration.session_refs import SessionRecede
 from vamp_sglang.policy.planner import eviction_need_tokens
 from vamp_sglang.policy.snapshot import EvictableBlock
 
@@ -80,9 +81,12 @@ class _DeviceTreeView:
 
     def __init__(self, core: VampTreeCore) -> None:
         self.core = core
-        full = core.components_by_type[_FULL]
-        # the same key FullComponent heaps by: session refs first when sessions are on
-        self.priority = full.session_ref_eviction_strategy or core.eviction_strategy.get_priority
+        self.priority = core.eviction_strategy.get_priority
+        # the key FullComponent heaps by, session refs first when sessions are on, as its removals leave them
+        self.recede = None
+        if core.components_by_type[_FULL].session_ref_eviction_strategy is not None:
+            self.recede = recede = SessionRecede(core)
+            self.priority = lambda node: recede.key(node, core.eviction_strategy.get_priority(node))
 
     def evictable_leaves(self) -> set[UnifiedTreeNode]:
         return self.core.evictable_device_leaves
@@ -92,7 +96,9 @@ class _DeviceTreeView:
 
     def parent_if_leaf_after(self, node: UnifiedTreeNode, removed: set) -> UnifiedTreeNode | None:
         """Mirrors `UnifiedTreeCore._is_device_leaf` with `removed` treated as evicted (plain loops:
-        this runs for every candidate a decision takes)."""
+        this runs for every candidate a decision takes); `node` is the one removed last."""
+        if self.recede is not None:
+            self.recede.remove(node)
         parent = node.parent
         if parent is None or parent is self.core.root_node or parent.evicted:
             return None
@@ -115,7 +121,8 @@ def kept_order(core: VampTreeCore) -> Iterator[UnifiedTreeNode]:
     removed: set[UnifiedTreeNode] = set()
     parents: set[UnifiedTreeNode] = set()  # leaves once `removed` are gone, not yet in the tree
     leaves = core.evictable_device_leaves
-    walk = core.vamp_ordered_walk(lambda node: node not in removed and (node in leaves or node in parents))
+    walk = core.vamp_ordered_walk(lambda node: node not in removed and (node in leaves or node in parents),
+                                  view.recede.refs if view.recede is not None else None)
     try:
         for node in walk:
             removed.add(node)

@@ -131,16 +131,18 @@ class VampTreeCore(UnifiedTreeCore):
                 node = node.parent
         return moved
 
-    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool]) -> OrderedWalk:
+    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool],
+                          session_refs: Callable[[UnifiedTreeNode], int] | None = None) -> OrderedWalk:
         """Evictable leaves in the order SGLang's heap would give (`vamp_priority`, inside the session-ref key
         with sessions) from the kept order (needs `vamp_leaf_order`); leaves that become evictable while it is
-        open (the parents its own evictions free) join it."""
+        open (the parents its own evictions free) join it. `session_refs`: a prediction's counts for the parents
+        it pushes (session_refs.py); default, the nodes' own."""
         priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
         if self.vamp_sessions:
-            priced = priority
+            priced, refs_of = priority, session_refs or (lambda node: node.component_data[_FULL].session_ref)
 
             def priority(node: UnifiedTreeNode) -> tuple:  # FullComponent._session_ref_eviction_strategy's key
-                refs = node.component_data[_FULL].session_ref
+                refs = refs_of(node)
                 return (refs > 0, refs, priced(node))
         return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
                                          self.vamp_shares.published_gaps, priority, admits)
