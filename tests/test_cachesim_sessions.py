@@ -21,6 +21,7 @@ from eval.cachesim.sim import simulate
 from eval.cachesim.tree import TreeReplay, build, prepare
 from eval.cachesim.workload import build_requests
 from eval.trace_format import TraceRequest, dump_trace
+from vamp_sglang.integration import radix_backend
 
 BLOCK_TOKENS, FIRST_BLOCKS, GROWTH_BLOCKS, OUTPUT_TOKENS = 32, 8, 2, 16
 ACTIVE_SESSIONS = 8  # taking turns round-robin; a session that ends is replaced by the next
@@ -81,10 +82,12 @@ def test_a_closed_session_holds_no_reference_and_an_open_one_does():
         admission = replay.admit(prompt, 110)
         replay.finish(admission, prompt + list(range(9000 + first, 9010 + first)), session)
     assert refs() == {1: 1, 500: 1}
+    assert radix_backend.radix_stats(cache)["open_session_tokens"] == 2 * 110
     admission = replay.admit(list(range(1, 101)), 120)  # a's last turn: its history and 10 new tokens
     replay.finish(admission, list(range(1, 101)) + list(range(9001, 9011)) + list(range(7000, 7010)), "a",
                   close=True)
     assert refs() == {7000: 0, 500: 1}  # the turn's new KV is the leaf now; closed, nothing holds it
+    assert radix_backend.radix_stats(cache)["open_session_tokens"] == 110  # /vamp/stats: b's alone
 
 
 def test_cli_reports_each_policy_closed_beside_it_in_the_closed_loop_too(tmp_path):

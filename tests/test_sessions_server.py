@@ -66,6 +66,8 @@ def second_turns(tmp_path_factory):
                 body["session_id"] = session
             cached[session] = post_json(f"{url}/generate", body)["meta_info"]["cached_tokens"]
         stats = get_json(f"{url}/vamp/stats")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+            stats["metrics_text"] = response.read().decode()
     print(f"second turns cached {cached} of {TURN_TOKENS + NEW_TOKENS} tokens; one-shot cached "
           f"{one_shot['meta_info']['cached_tokens']}; evicted {stats['radix']['evicted_tokens']} tokens")
     return cached, stats
@@ -84,3 +86,11 @@ def test_the_decision_saw_the_shortfall_and_evicted(second_turns):
     _, stats = second_turns
     assert stats["decisions"]["evict"] >= 1, stats["decisions"]
     assert stats["decision_errors"] == 0
+
+
+def test_stats_report_what_open_sessions_hold(second_turns):
+    """A's and C's two turns are tagged and open; B's KV was closed and then resent without a session."""
+    _, stats = second_turns
+    radix = stats["radix"]
+    assert 2 * (TURN_TOKENS + NEW_TOKENS) <= radix["open_session_tokens"] < radix["cached_tokens"], radix
+    assert "vamp:radix_open_session_tokens{" in stats["metrics_text"]

@@ -19,6 +19,8 @@ GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("vamp:radix_cached_tokens", "Tokens held by the radix cache", ("radix", "cached_tokens")),
     ("vamp:radix_evictable_tokens", "Radix-cache tokens that may be evicted", ("radix", "evictable_tokens")),
     ("vamp:radix_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", ("radix", "hit_rate")),
+    ("vamp:radix_open_session_tokens", "Radix-cache tokens an open session holds (--enable-session-radix-cache)",
+     ("radix", "open_session_tokens")),
     ("vamp:expert_offload_ratio", "Fraction of eligible experts now offloaded", ("experts", "offload_ratio")),
     ("vamp:reclaimed_bytes", "Expert bytes now serving as KV memory", ("experts", "reclaimed_bytes")),
     ("vamp:staging_wait_seconds_total", "Time MoE layers waited for staged experts", ("staging", "wait_s")),

@@ -18,12 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
 from vamp_sglang.cache import CostOrder, pow2_histogram
 from vamp_sglang.config import VampConfig
 from vamp_sglang.integration.radix_tree import VampStrategy, VampTreeCore, VampUnifiedRadixCache, tree_core_of
 from vamp_sglang.policy.costs import Coefficients
 
 NAME = "vamp"  # the backend, tree-core and eviction-policy name
+_FULL = ComponentType.FULL
 HITS_HISTOGRAM_TOP = 64
 AGE_HISTOGRAM_TOP_STEPS = 65536
 
@@ -38,7 +41,7 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
     core = tree_core_of(tree_cache)
     nodes, now, ledger = core.device_nodes(), core.now_steps(), core.vamp_ledger
     evictable, protected = int(core.full_evictable_size()), int(core.full_protected_size())
-    return {
+    out = {
         "node_count": len(nodes),
         "cached_tokens": evictable + protected,
         "evictable_tokens": evictable,
@@ -53,6 +56,10 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
         "evicted_tokens": core.vamp_evicted_tokens,
         "reuse_by_writer_hit_rate": core.vamp_shares.snapshot(),  # the r_hit priors of Eq. 1, by writer class
     }
+    if core.enable_session_radix_cache:  # what open sessions hold; the rest goes first (README, sessions)
+        out["open_session_tokens"] = sum(core.node_tokens(n) for n in nodes
+                                         if n.component_data[_FULL].session_ref > 0)
+    return out
 
 
 class RadixStatsExtension:
