@@ -29,10 +29,10 @@ each change to a `LeafOrder`, and both the planner's read-only walk (`vamp_evict
 eviction SGLang runs (its FULL component's device walk, replaced on this tree) take leaves from it in
 exactly the order SGLang's heap over every leaf would give, pricing only the leaves near the front.
 With SGLang's radix-native sessions the order is SGLang's session-ref key around ours, kept the same way
-(a session's coverage moving re-files the leaves on its path). Trees where that order is not ours alone keep
-SGLang's heap: hybrid trees (states come and go outside the leaf set) and eviction policies other than `vamp`. Priorities are
-memoised per node for the current step and published priors (a node's own change drops its entry),
-so the planner's walk and the eviction that follows share one computation.
+(a session's coverage moving re-files the leaves on its path). Trees where that order is not ours alone
+keep SGLang's heap: hybrid trees (states come and go outside the leaf set) and eviction policies other
+than `vamp`. Priorities are memoised per node for the current step and published priors (a node's own
+change drops its entry), so the planner's walk and the eviction that follows share one computation.
 """
 
 from __future__ import annotations
