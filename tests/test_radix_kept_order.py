@@ -12,11 +12,13 @@ import random
 import weakref
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from tests.test_radix_tree_state import POOL_TOKENS, RadixMachine, build_cache, key_of, sglang_context  # noqa: F401
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, estimate, eviction_order
@@ -404,11 +406,16 @@ def test_a_leaf_refused_at_its_turn_and_filed_again_is_not_lost_to_the_walk():
     assert sorted(n.id for n in walk) == [2, 3]
 
 
-def test_the_predicted_order_reads_session_refs_as_the_eviction_leaves_them():
+@pytest.mark.parametrize("host_copies, expected", [
+    (False, [[1, 1], [2, 2], [0, 0, 0, 0], [3, 3]]),  # the parent holds one reference then, at priority 0
+    (True, [[1, 1], [2, 2], [3, 3], [0, 0, 0, 0]]),  # HiCache demotes, not deletes: the parent keeps both
+])
+def test_the_predicted_order_reads_session_refs_as_the_eviction_leaves_them(host_copies, expected):
     """A session tags two sibling branches (a regenerated answer). When the first goes, the shared parent becomes
     the session's frontier; when the second goes, SGLang recedes the session's reference from the parent too. The
     read-only predictions (the kept order's walk and the heap over every leaf) must price the parent with the
-    reference it has then, not the one it has now, or they put another session's KV first."""
+    reference it has then, not the one it has now, or they put another session's KV first. A leaf with a host
+    copy (HiCache, faked as tests/test_radix_refile_paths.py does) is demoted instead and moves no reference."""
     cache, allocator = build_cache(1, True, "vamp")
     core = cache.tree_core
 
@@ -425,6 +432,8 @@ def test_the_predicted_order_reads_session_refs_as_the_eviction_leaves_them():
     write([0, 0, 0, 0, 1, 1], "s")
     write([0, 0, 0, 0, 2, 2], "s")  # the same turn again: a sibling branch of one session
     write([3, 3], "t", priority=1)  # another open session's KV, a higher request priority
+    for node in core.device_nodes() if host_copies else ():
+        node.component_data[ComponentType.FULL].host_value = torch.arange(1000, 1000 + len(node.key))
     predicted = [list(n.key) for n in radix_eviction.kept_order(core)]
     resorted = [list(n.key) for n in full_resort(core)]
     actual = []
@@ -432,7 +441,7 @@ def test_the_predicted_order_reads_session_refs_as_the_eviction_leaves_them():
         before = {n.id: list(n.key) for n in core.device_nodes()}
         cache.evict(EvictParams(num_tokens=1))
         actual += [key for node_id, key in before.items() if node_id not in {n.id for n in core.device_nodes()}]
-    assert actual == [[1, 1], [2, 2], [0, 0, 0, 0], [3, 3]]  # the parent holds one reference then, at priority 0
+    assert actual == expected
     assert predicted == actual
     assert resorted == actual
 

@@ -2,7 +2,7 @@
 
 With `--enable-session-radix-cache` SGLang's device eviction keys leaves by (held by an open session, by how many,
 the tree's priority). Evicting a node that is a session's frontier leaf moves that session's reference
-(`discard_deleted_session_leaf`): to the nearest ancestor a match could still end at, which becomes the frontier
+(`discard_deleted_session_leaf`; a node HiCache demotes keeps them): to the nearest ancestor a match could still end at, which becomes the frontier
 and keeps its count, or, where that ancestor already is one of the session's frontier leaves (a session with two
 branches, e.g. a regenerated answer), off every ancestor up to the root. The real eviction keys a parent it then
 pushes with the reference it has after that move; a prediction, which removes nothing, must do the same or it
@@ -23,7 +23,7 @@ class SessionRecede:
     """Session references of the FULL component once the nodes passed to `remove` are gone, tree untouched."""
 
     def __init__(self, core) -> None:
-        self.full, self.root = core.components_by_type[_FULL], core.root_node
+        self.core, self.full, self.root = core, core.components_by_type[_FULL], core.root_node
         self.lost: dict[UnifiedTreeNode, int] = {}  # node -> references the removals took off it
         self.frontiers: dict[str, set[UnifiedTreeNode]] = {}  # session -> its frontier leaves, once a removal moved them
         self.held: dict[UnifiedTreeNode, set[str]] = {}  # node -> sessions it is a frontier leaf of, once moved
@@ -37,7 +37,11 @@ class SessionRecede:
         return (refs > 0, refs, priority)
 
     def remove(self, node: UnifiedTreeNode) -> None:
-        """`node` is evicted: each session it is a frontier leaf of moves as `discard_deleted_session_leaf` moves it."""
+        """`node` is evicted: each session it is a frontier leaf of moves as `discard_deleted_session_leaf` moves it.
+        A node with a host copy, or any node in HiCache's write-back mode, is demoted instead of deleted
+        (`UnifiedTreeCore.evict_device_leaf`), and its references stay where they are."""
+        if node.backuped or self.core.is_write_back:
+            return
         for session in tuple(self._sessions_of(node)):
             frontier = self._frontier(session)
             fallback = self.full._find_reusable_session_leaf(node.parent)
