@@ -36,7 +36,6 @@ import random
 import statistics
 import time
 from array import array
-from types import SimpleNamespace
 
 import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -48,6 +47,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 from tqdm import tqdm
 
+from eval.cachesim.tree import tag_session
 from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
 from vamp_sglang.policy import Coefficients, OffloadState, Snapshot, plan
 
@@ -83,11 +83,9 @@ def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = Fals
                 core.record_admission(match.last_device_node, match.device_prefix_len, len(history[t]), True)
     if radix_sessions:
         for i, history in enumerate(histories):
-            session = f"s{i}"  # the session's KV, as the scheduler tags a finished request's (cache_finished_req)
+            session = f"s{i}"
             match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", history[-1]))))
-            req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
-                                  session_generation=cache.ensure_session_generation(session))
-            cache.session_refs.register_session_ref(req, leaf=match.last_device_node)
+            tag_session(cache, session, match.last_device_node)
             if i % 2:
                 cache.release_radix_session(session)
     return cache, allocator, step, histories

@@ -55,10 +55,7 @@ def simulate(requests: list[SimRequest], trie: FutureTrie, policy: str, pool_tok
         first = min(range(len(inflight)), key=lambda k: inflight[k][0].finish_tick)
         request, admission = inflight[first]
         del inflight[first]
-        if sessions:
-            replay.finish(admission, request.tokens, request.session, close=request.last_turn)
-        else:
-            replay.finish(admission, request.tokens)
+        replay.finish(admission, request.tokens, request.session, close=request.last_turn)  # tags only with sessions
         running.discard(request.session)
 
     for request in tqdm(requests, desc=f"{policy} @ {pool_tokens}", unit="req", leave=False, disable=not progress):

@@ -85,6 +85,14 @@ def build(policy: str, pool_tokens: int,
     return cache, allocator, step
 
 
+def tag_session(cache: UnifiedRadixCache, session: str, leaf_id: int) -> None:
+    """Tag the KV on the path to `leaf_id` with `session`, as the scheduler's `cache_finished_req` does for a
+    finished request of a radix-native session (opening the session first, as request creation does)."""
+    req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
+                          session_generation=cache.ensure_session_generation(session))
+    cache.session_refs.register_session_ref(req, leaf=leaf_id)
+
+
 @dataclass
 class Admission:
     key: RadixKey  # the prompt
@@ -144,8 +152,6 @@ class TreeReplay:
         self.cache.unlock(admission.lock)
         if session is not None and self.cache.enable_session_radix_cache:
             if result is not None:
-                req = SimpleNamespace(session=None, session_id=session, finished_reason=None,
-                                      session_generation=self.cache.ensure_session_generation(session))
-                self.cache.session_refs.register_session_ref(req, leaf=result.last_device_node)
+                tag_session(self.cache, session, result.last_device_node)
             if close:
                 self.cache.release_radix_session(session)
