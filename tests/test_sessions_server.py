@@ -8,7 +8,8 @@ evicts). This is how a server learns that a session ended, which no reuse estima
 (docs/evaluation.md: with it, VAMP comes within 95 % of the offline optimum on the SWE-agent trace).
 
 Three sessions A, B, C write one turn each; B closes; a one-shot prompt then needs more than the free
-pool. Without the close, VAMP's order would not pick the middle session first (never-hit KV of one
+pool. The same at TP 2: each rank's scheduler keeps its own tree and session references, so both ranks must take
+the same KV and log the same decisions (their plans read each rank's own tree in its eviction order). Without the close, VAMP's order would not pick the middle session first (never-hit KV of one
 writer class goes oldest first by p_eff, or newest first while every p_eff is 0 or when expected back),
 so B losing its KV while A and C keep theirs is the close at work. VAMP is on (`--vamp-policy
 evict-first`, so the shortfall is met by eviction, not by growing the pool): the decision's planner walks
@@ -41,15 +42,26 @@ def _close_session(url: str, session_id: str) -> None:
         assert response.status == 200
 
 
-@pytest.fixture(scope="module")
-def second_turns(tmp_path_factory):
+def _metric(url: str, name: str, rank: int) -> float | None:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
+        values = [float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                  if line.startswith(name + "{") and f'tp_rank="{rank}"' in line]
+    return sum(values) if values else None
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def second_turns(request, tmp_path_factory):
+    tp_size = request.param
     model = ensure_tiny_model(MODEL)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(10, vocab_size) for _ in range(n)]  # ids below 10 are special tokens
     greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
-    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
-    with Server(setup, ServerConfig("vamp-sessions", FLAGS)) as server:
+    logs = tmp_path_factory.mktemp("logs")
+    setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, tp_size=tp_size, log_dir=str(logs))
+    decision_log = logs / "decisions.jsonl"
+    flags = (*FLAGS, "--vamp-decision-log", str(decision_log))
+    with Server(setup, ServerConfig(f"vamp-sessions-tp{tp_size}", flags)) as server:
         url = server.url
         histories = {}
         for session in "ABC":
@@ -68,6 +80,10 @@ def second_turns(tmp_path_factory):
         stats = get_json(f"{url}/vamp/stats")
         with urllib.request.urlopen(f"{url}/metrics", timeout=60) as response:
             stats["metrics_text"] = response.read().decode()
+        stats["by_rank"] = {name: [_metric(url, name, rank) for rank in range(tp_size)]
+                            for name in ("vamp:radix_open_session_tokens", "vamp:radix_cached_tokens",
+                                         "vamp:radix_evictable_tokens")}
+    stats["decision_logs"] = [decision_log] + [Path(f"{decision_log}.rank{rank}") for rank in range(1, tp_size)]
     print(f"second turns cached {cached} of {TURN_TOKENS + NEW_TOKENS} tokens; one-shot cached "
           f"{one_shot['meta_info']['cached_tokens']}; evicted {stats['radix']['evicted_tokens']} tokens")
     return cached, stats
@@ -94,3 +110,18 @@ def test_stats_report_what_open_sessions_hold(second_turns):
     radix = stats["radix"]
     assert 2 * (TURN_TOKENS + NEW_TOKENS) <= radix["open_session_tokens"] < radix["cached_tokens"], radix
     assert "vamp:radix_open_session_tokens{" in stats["metrics_text"]
+
+
+def test_ranks_keep_the_same_sessions_kv_and_decide_alike(second_turns):
+    """Each TP rank tags, closes and evicts in its own tree: equal per-rank figures and equal decision logs
+    (snapshots hold each rank's candidates in its eviction order) show the ranks took the same KV."""
+    _, stats = second_turns
+    for name, values in stats["by_rank"].items():
+        assert values[0] is not None and all(v == values[0] for v in values), (name, values)
+    logs = [[json.loads(line) for line in path.read_text().splitlines()] for path in stats["decision_logs"]]
+    assert logs[0], "no decision was logged"
+
+    def strip(log):
+        return [(d["step"], d["site"], d.get("snapshot"), d["plan"], d["outcome"]) for d in log]
+
+    assert all(strip(log) == strip(logs[0]) for log in logs[1:])
