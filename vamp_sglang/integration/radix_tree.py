@@ -121,14 +121,31 @@ class VampTreeCore(UnifiedTreeCore):
 
     def _refiling_after(self, move: Callable[..., None]) -> Callable[..., None]:
         """A session's coverage move (FullComponent's, walking from `leaf` towards the root), then the evictable
-        leaves on that path re-filed: their rank holds their session references."""
+        leaves on that path re-filed: their rank holds their session references.
+
+        A move inside a device eviction (a host eviction that HiCache's write-back runs to make room for the
+        victim's copy) must not reorder that eviction: SGLang's heap keyed every leaf when the walk started
+        (`FullComponent._evict_device_start`) and keeps those keys. So the leaves on the path join the open
+        walk at the key they have before the move, and are re-filed for later walks only."""
         def moved(session_id: str, leaf: UnifiedTreeNode, *args: Any) -> None:
-            move(session_id, leaf, *args)
-            node, leaves = leaf, self.evictable_device_leaves
-            while node is not None and node is not self.root_node:
+            leaves, root, walk = self.evictable_device_leaves, self.root_node, self.vamp_walk
+            path = []
+            node = leaf
+            while node is not None and node is not root:
                 if node in leaves:
-                    self.vamp_leaf_order.add(node)
+                    path.append(node)
                 node = node.parent
+            if walk is not None and walk.open:
+                for node in path:
+                    walk.push(node)  # keyed now, before the move, as SGLang's heap keyed it
+            move(session_id, leaf, *args)
+            for node in path:
+                if node not in leaves:
+                    continue
+                if walk is not None and walk.open:
+                    self.vamp_leaf_order.place(node)  # for later walks; the open one keeps its key
+                else:
+                    self.vamp_leaf_order.add(node)
         return moved
 
     def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool],
