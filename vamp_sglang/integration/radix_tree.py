@@ -69,23 +69,122 @@ class VampStrategy(EvictionStrategy):
         return self._priority(node)
 
 
-class VampTreeCore(UnifiedTreeCore):
-    """SGLang's Python tree core plus `node.vamp_stats` on every node and the admission ledger."""
+class VampStatistics:
+    """What a VAMP tree core keeps beside SGLang's tree, whichever core holds the tree: the step clock, the
+    admission ledger, the writer classes' reuse shares (`NodeStats.prior`), per-node priorities memoised for
+    the current step, and the eviction order kept between shortfalls. A node here is anything with `id`,
+    `parent` (None at a root), `priority` and `vamp_stats`: SGLang's Python tree nodes (`VampTreeCore`) or
+    the mirror of its Rust core's tree (radix_rust.py). A core also gives `vamp_node(node_id)`, `node_tokens(node)`
+    and SGLang's `evictable_size()`/`protected_size()`."""
 
-    def __init__(self, params: Any, components: dict, order: CostOrder) -> None:
-        # set before super().__init__: reset() already creates the root through _new_node
+    vamp_leaf_order: LeafOrder | None
+    vamp_sessions: bool
+
+    def init_statistics(self, order: CostOrder) -> None:
         self.vamp_order = order
         self.vamp_step_fn: Callable[[], int] = lambda: 0
         self.vamp_ledger = AdmissionLedger()  # replaced by the runtime's ledger once it exists
         self.vamp_shares = ReuseShares()  # the r_hit priors of nodes, by writer class
         self.vamp_priorities: dict[int, tuple] = {}  # node id -> priority, valid for vamp_priority_key
         self.vamp_priority_key: tuple[int, int] | None = None  # (step, published priors' version)
-        self.vamp_priced: Callable[[UnifiedTreeNode], tuple] | None = None  # prices into the memo for that key
+        self.vamp_priced: Callable[[Any], tuple] | None = None  # prices into the memo for that key
         self.vamp_evicted_tokens = 0
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
-        self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
-        self.vamp_leaf_order: LeafOrder | None = None  # set below where the order is p_eff's alone
+        self.vamp_leaf_order = None  # set where the order is p_eff's alone
         self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
+        self.vamp_sessions = False
+
+    def now_steps(self) -> int:
+        return int(self.vamp_step_fn())
+
+    @contextmanager
+    def written_by(self, prior: float | None) -> Iterator[None]:
+        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats); the
+        tokens written count towards its class's reuse share."""
+        self.vamp_write_prior = prior
+        cached_tokens, restored_tokens = self.evictable_size() + self.protected_size(), self.vamp_restored_tokens
+        try:
+            yield
+        finally:
+            self.vamp_write_prior = None
+            restored = self.vamp_restored_tokens - restored_tokens  # its writer's, counted when it was written
+            self.vamp_shares.wrote(prior, self.evictable_size() + self.protected_size() - cached_tokens - restored)
+
+    def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
+        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now);
+        `first`: its first admission (a retracted request's return or a later chunk is no new hit)."""
+        now = self.now_steps()
+        node = self.vamp_node(node_id)
+        while node is not None and node.parent is not None:  # the root has no statistics that count
+            if first and not node.vamp_stats.hits:
+                self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node),
+                                        now - node.vamp_stats.created_step)
+            node.vamp_stats.admit(now, count_hit=first)
+            self.vamp_priorities.pop(node.id, None)
+            node = node.parent
+        if first:
+            self.vamp_ledger.record(hit_tokens, requested_tokens)
+
+    def priced_now(self) -> Callable[[Any], tuple]:
+        """`vamp_priority` of a node with a state (every node of a plain tree) at the current step and published
+        priors, memoised: a walk runs within one step, so it checks the step and priors once, here."""
+        now, shares = self.now_steps(), self.vamp_shares
+        key = (now, shares.refresh(self.vamp_ledger.hit_rate))
+        if key != self.vamp_priority_key:
+            self.vamp_priorities.clear()
+            self.vamp_priority_key = key
+            self.vamp_priced = self._pricer(now)
+        return self.vamp_priced
+
+    def _pricer(self, now: int) -> Callable[[Any], tuple]:
+        memo, order, shares, key = self.vamp_priorities, self.vamp_order, self.vamp_shares, self.vamp_priority_key
+
+        def priority(node: Any) -> tuple:
+            current = self.vamp_priority_key is key  # else a walk left open past its step: its own step, memo aside
+            value = memo.get(node.id) if current else None
+            if value is None:
+                stats = node.vamp_stats
+                value = (1, node.priority, *order.priority(stats, now, shares.prior(stats.prior),
+                                                           shares.gap_steps(stats.prior)))
+                if current:
+                    memo[node.id] = value
+            return value
+        return priority
+
+    def vamp_ordered_walk(self, admits: Callable[[Any], bool],
+                          session_refs: Callable[[Any], int] | None = None) -> OrderedWalk:
+        """Evictable leaves in the order SGLang's heap would give (`vamp_priority`, inside the session-ref key
+        with sessions) from the kept order (needs `vamp_leaf_order`); leaves that become evictable while it is
+        open (the parents its own evictions free) join it. `session_refs`: a prediction's counts for the parents
+        it pushes (session_refs.py); default, the nodes' own."""
+        priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
+        if self.vamp_sessions:
+            priced, refs_of = priority, session_refs or (lambda node: node.component_data[_FULL].session_ref)
+
+            def priority(node: Any) -> tuple:  # FullComponent._session_ref_eviction_strategy's key
+                refs = refs_of(node)
+                return (refs > 0, refs, priced(node))
+        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
+                                         self.vamp_shares.published_gaps, priority, admits)
+
+    def prior_hit_rate(self, node: Any) -> float:
+        """The r_hit prior this node is priced with: its writer class's observed reuse share."""
+        self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
+        return self.vamp_shares.prior(node.vamp_stats.prior)
+
+    def cost_of_losing_s(self, node: Any, lost_tokens: int) -> float:
+        """C_c (Eq. 2) of `node` when its eviction makes `lost_tokens` unreachable (0: nothing lost)."""
+        if not lost_tokens:
+            return 0.0
+        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.prior_hit_rate(node))
+
+
+class VampTreeCore(VampStatistics, UnifiedTreeCore):
+    """SGLang's Python tree core plus `node.vamp_stats` on every node and the admission ledger."""
+
+    def __init__(self, params: Any, components: dict, order: CostOrder) -> None:
+        self.init_statistics(order)  # before super().__init__: reset() already creates the root through _new_node
+        self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
         self.vamp_sessions = False  # SGLang's radix-native sessions order the leaves first (set below)
         super().__init__(params, components)
         self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
@@ -148,22 +247,6 @@ class VampTreeCore(UnifiedTreeCore):
                     self.vamp_leaf_order.add(node)
         return moved
 
-    def vamp_ordered_walk(self, admits: Callable[[UnifiedTreeNode], bool],
-                          session_refs: Callable[[UnifiedTreeNode], int] | None = None) -> OrderedWalk:
-        """Evictable leaves in the order SGLang's heap would give (`vamp_priority`, inside the session-ref key
-        with sessions) from the kept order (needs `vamp_leaf_order`); leaves that become evictable while it is
-        open (the parents its own evictions free) join it. `session_refs`: a prediction's counts for the parents
-        it pushes (session_refs.py); default, the nodes' own."""
-        priority = self.priced_now()  # refreshes the published priors the walk files never-hit nodes with
-        if self.vamp_sessions:
-            priced, refs_of = priority, session_refs or (lambda node: node.component_data[_FULL].session_ref)
-
-            def priority(node: UnifiedTreeNode) -> tuple:  # FullComponent._session_ref_eviction_strategy's key
-                refs = refs_of(node)
-                return (refs > 0, refs, priced(node))
-        return self.vamp_leaf_order.walk(self.now_steps(), self.vamp_shares.published,
-                                         self.vamp_shares.published_gaps, priority, admits)
-
     def _vamp_evict_start(self, request_cnt: int) -> None:
         full = self.components_by_type[_FULL]
         full._evict_device_request_cnt = request_cnt
@@ -181,27 +264,11 @@ class VampTreeCore(UnifiedTreeCore):
             self.vamp_walk.close()
         self.vamp_walk = None
 
-    def now_steps(self) -> int:
-        return int(self.vamp_step_fn())
-
     # --- statistics kept through SGLang's own node life cycle ------------------------------------
     def _new_node(self, priority: int = 0) -> UnifiedTreeNode:
         node = super()._new_node(priority)
         node.vamp_stats = NodeStats(self.now_steps(), prior=self.vamp_write_prior)
         return node
-
-    @contextmanager
-    def written_by(self, prior: float | None) -> Iterator[None]:
-        """Nodes created inside inherit `prior`, the writing request's prefix-hit rate (NodeStats); the
-        tokens written count towards its class's reuse share."""
-        self.vamp_write_prior = prior
-        cached_tokens, restored_tokens = self.evictable_size() + self.protected_size(), self.vamp_restored_tokens
-        try:
-            yield
-        finally:
-            self.vamp_write_prior = None
-            restored = self.vamp_restored_tokens - restored_tokens  # its writer's, counted when it was written
-            self.vamp_shares.wrote(prior, self.evictable_size() + self.protected_size() - cached_tokens - restored)
 
     def _unevict_node_on_insert(self, node: UnifiedTreeNode, fresh_value: Any, session_id: Any = None) -> None:
         """An insert re-fills a host-only node's device KV: the node keeps its first writer, and its tokens
@@ -221,22 +288,10 @@ class VampTreeCore(UnifiedTreeCore):
         if self.vamp_leaf_order is not None and node in self.evictable_device_leaves:
             self.vamp_leaf_order.add(node)  # a leaf the insert ends in: the kept order must see its new use
 
-    def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
-        """A request was admitted with its prefix matched up to `node_id` (locked by SGLang just now);
-        `first`: its first admission (a retracted request's return or a later chunk is no new hit)."""
-        now = self.now_steps()
-        node = self.node_by_id(node_id)
-        while node is not None and node is not self.root_node:
-            if first and not node.vamp_stats.hits:
-                self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node),
-                                        now - node.vamp_stats.created_step)
-            node.vamp_stats.admit(now, count_hit=first)
-            self.vamp_priorities.pop(node.id, None)
-            node = node.parent
-        if first:
-            self.vamp_ledger.record(hit_tokens, requested_tokens)
-
     # --- cost view --------------------------------------------------------------------------------
+    def vamp_node(self, node_id: int) -> UnifiedTreeNode:
+        return self.node_by_id(node_id)
+
     def node_tokens(self, node: UnifiedTreeNode) -> int:
         return self.components_by_type[_FULL].reclaimable_value_len(node)
 
@@ -253,43 +308,6 @@ class VampTreeCore(UnifiedTreeCore):
         if self.vamp_hybrid and not self.has_state(node):  # states come and go outside our memo
             return (0, node.priority, DEAD_PRIORITY, node.vamp_stats.last_step, node.vamp_stats.created_step)
         return self.priced_now()(node)
-
-    def priced_now(self) -> Callable[[UnifiedTreeNode], tuple]:
-        """`vamp_priority` of a node with a state (every node of a plain tree) at the current step and published
-        priors, memoised: a walk runs within one step, so it checks the step and priors once, here."""
-        now, shares = self.now_steps(), self.vamp_shares
-        key = (now, shares.refresh(self.vamp_ledger.hit_rate))
-        if key != self.vamp_priority_key:
-            self.vamp_priorities.clear()
-            self.vamp_priority_key = key
-            self.vamp_priced = self._pricer(now)
-        return self.vamp_priced
-
-    def _pricer(self, now: int) -> Callable[[UnifiedTreeNode], tuple]:
-        memo, order, shares, key = self.vamp_priorities, self.vamp_order, self.vamp_shares, self.vamp_priority_key
-
-        def priority(node: UnifiedTreeNode) -> tuple:
-            current = self.vamp_priority_key is key  # else a walk left open past its step: its own step, memo aside
-            value = memo.get(node.id) if current else None
-            if value is None:
-                stats = node.vamp_stats
-                value = (1, node.priority, *order.priority(stats, now, shares.prior(stats.prior),
-                                                           shares.gap_steps(stats.prior)))
-                if current:
-                    memo[node.id] = value
-            return value
-        return priority
-
-    def prior_hit_rate(self, node: UnifiedTreeNode) -> float:
-        """The r_hit prior this node is priced with: its writer class's observed reuse share."""
-        self.vamp_shares.refresh(self.vamp_ledger.hit_rate)
-        return self.vamp_shares.prior(node.vamp_stats.prior)
-
-    def cost_of_losing_s(self, node: UnifiedTreeNode, lost_tokens: int) -> float:
-        """C_c (Eq. 2) of `node` when its eviction makes `lost_tokens` unreachable (0: nothing lost)."""
-        if not lost_tokens:
-            return 0.0
-        return self.vamp_order.cost_s(lost_tokens, node.vamp_stats, self.now_steps(), self.prior_hit_rate(node))
 
     def device_nodes(self) -> list[UnifiedTreeNode]:
         return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]
@@ -345,7 +363,7 @@ class _WatchedLeaves(set):
 
 def tree_core_of(tree_cache: Any) -> VampTreeCore:
     core = getattr(tree_cache, "tree_core", None)
-    if not isinstance(core, VampTreeCore):
+    if not isinstance(core, VampStatistics):
         raise TypeError(f"expected a tree built with --radix-cache-backend vamp, got {type(tree_cache).__name__} "
                         f"with core {type(core).__name__}")
     return core
