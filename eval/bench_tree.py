@@ -1,9 +1,9 @@
 """`python -m eval.bench_tree [--requests N] [--pool-tokens T] [--seed S]`: radix tree core throughput.
 
 Replays one generated operation trace through SGLang's real `UnifiedRadixCache` over each tree core:
-SGLang's Rust core (the default), SGLang's Python core (both with LRU), and ours (`VampTreeCore`
+SGLang's Rust core (the default), SGLang's Python core (both with LRU), ours (`VampTreeCore`
 with its p_eff order; and with LRU, to separate the cost of the statistics from the cost of the
-order). Each request does what the scheduler does: match its prefix, lock it, count the admission,
+order), and the same p_eff order kept beside SGLang's Rust core (`VampRustTreeCore`, radix_rust.py). Each request does what the scheduler does: match its prefix, lock it, count the admission,
 allocate the extension (evicting the shortfall), insert, unlock. A final phase evicts the whole
 tree in fixed chunks. Prints per-operation ops/s and the ratio to the Rust core; a script, not a
 test, because timings depend on the machine.
@@ -27,6 +27,7 @@ CORES = {  # label: simulator policy (eval.cachesim.tree.cache_spec: tree core, 
     "python (sglang)": "python:lru",
     "vamp stats + lru": "vamp+lru",
     "vamp stats + p_eff order": "vamp",
+    "vamp p_eff on rust core": "vamp-rust",
 }
 
 

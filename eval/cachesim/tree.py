@@ -59,6 +59,8 @@ def cache_spec(policy: str) -> tuple[str, str, type]:
         return radix_backend.NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache
     if policy == "vamp+lru":  # our tree and statistics, SGLang's LRU order (bench_tree)
         return radix_backend.NAME, "lru", radix_tree.VampUnifiedRadixCache
+    if policy == "vamp-rust":  # VAMP's order on SGLang's Rust core (integration/radix_rust.py)
+        return radix_backend.RUST_NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache
     if policy == "opt":
         return "python", "lru", UnifiedRadixCache  # the strategy is replaced by OptStrategy
     if policy.startswith("python:"):
@@ -80,7 +82,7 @@ def build(policy: str, pool_tokens: int,
                              enable_session_radix_cache=sessions)
     cache = cache_class(params)
     step = [0]
-    if isinstance(cache.tree_core, radix_tree.VampTreeCore):
+    if isinstance(cache.tree_core, radix_tree.VampStatistics):
         radix_backend.bind_step_source(cache, lambda: step[0])
     return cache, allocator, step
 
@@ -107,7 +109,7 @@ class TreeReplay:
                  call: Callable[..., Any] = _direct) -> None:
         self.cache, self.allocator, self.call = cache, allocator, call
         core = cache.tree_core
-        self.vamp = core if isinstance(core, radix_tree.VampTreeCore) else None
+        self.vamp = core if isinstance(core, radix_tree.VampStatistics) else None
         self.evicted_tokens = 0
 
     def admit(self, prompt: list[int], total_tokens: int, count: bool = True) -> Admission | None:

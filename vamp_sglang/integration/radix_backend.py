@@ -26,6 +26,7 @@ from vamp_sglang.integration.radix_tree import VampStrategy, VampTreeCore, VampU
 from vamp_sglang.policy.costs import Coefficients
 
 NAME = "vamp"  # the backend, tree-core and eviction-policy name
+RUST_NAME = "vamp-rust"  # the tree core with VAMP's order beside SGLang's Rust core (radix_rust.py)
 _FULL = ComponentType.FULL
 HITS_HISTOGRAM_TOP = 64
 AGE_HISTOGRAM_TOP_STEPS = 65536
@@ -128,5 +129,9 @@ def install() -> None:
     mem_cache_utils._EVICTION_POLICY_FACTORIES[NAME] = VampStrategy  # no public API for this dict
     if get_tree_core_factory(NAME) is None:
         register_tree_core_backend(NAME, lambda params, components: VampTreeCore(params, components, order))
+    if get_tree_core_factory(RUST_NAME) is None:
+        from vamp_sglang.integration.radix_rust import VampRustTreeCore
+
+        register_tree_core_backend(RUST_NAME, lambda params, components: VampRustTreeCore(params, order))
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, _build_cache)

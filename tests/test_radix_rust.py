@@ -1,0 +1,189 @@
+"""VAMP's order beside SGLang's Rust tree core (integration/radix_rust.py) against VAMP's Python tree core.
+
+Both cores get the same requests through SGLang's real `UnifiedRadixCache` (eval/cachesim/tree.py's
+`TreeReplay`: match, lock, admission, eviction of the shortfall, insert, unlock), with several requests in
+flight, partial matches and inserts that split nodes, and request priorities. After every request both must
+hold the same nodes with the same statistics, give the same prefix hits and have evicted the same tokens, and
+the mirror must agree with the Rust core's own tree: every node's parent, span and child count
+(`collect_path_info`), and the evictable leaves (no child, no lock).
+"""
+
+import random
+from array import array
+
+import pytest
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+from eval.cachesim.tree import TreeReplay, build, prepare
+from vamp_sglang.cache import CostOrder
+from vamp_sglang.integration import radix_backend
+from vamp_sglang.integration.radix_rust import MirrorNode, VampRustTreeCore
+from vamp_sglang.policy.costs import Coefficients
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_context():
+    prepare()
+
+
+def workload(seed: int, requests: int) -> list[tuple[str, list[int], int]]:
+    """(kind, tokens, priority): session turns that extend their history, one-shot prompts, regenerated turns
+    (admitted while the turn they branch from may still be in flight: its insert then splits the node the
+    other inserted), and probes that match part of a cached history (splitting a node where they stop inside
+    it) without being admitted."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(500) for _ in range(rng.randint(8, 40))] for _ in range(6)]
+    ops = []
+    for _ in range(requests):
+        roll = rng.random()
+        history = rng.choice(histories)
+        if roll < 0.5:
+            history.extend(rng.randrange(500) for _ in range(rng.randint(2, 24)))
+            if len(history) > 160:
+                del history[rng.randint(4, 40):]  # the session starts over from part of its history
+            ops.append(("turn", list(history), rng.choice((0, 0, 0, 1, 2))))
+        elif roll < 0.65:
+            ops.append(("one-shot", [rng.randrange(500) for _ in range(rng.randint(4, 60))], rng.choice((0, 0, 1))))
+        elif roll < 0.8:  # a regenerated turn: part of the history, then new tokens (a split where it stops)
+            cut = rng.randint(1, len(history))
+            ops.append(("branch", history[:cut] + [rng.randrange(500, 600) for _ in range(rng.randint(1, 12))], 0))
+        else:
+            ops.append(("probe", history[:rng.randint(1, len(history))] + [rng.randrange(500, 600)], 0))
+    return ops
+
+
+def check_mirror(core: VampRustTreeCore) -> None:
+    """The mirror is the Rust core's tree: parents, spans, child counts; its leaf set is exact."""
+    nodes = core.device_nodes()
+    if not nodes:
+        assert not core.evictable_device_leaves
+        return
+    paths = core.collect_path_info([n.id for n in nodes])
+    for node, path in zip(nodes, paths):
+        info = path[-1]
+        assert info.node_id == node.id
+        assert info.parent_id == node.parent.id, (node.id, info)
+        assert info.full_value_len == node.tokens == info.path_end - info.path_start, (node.id, info)
+        assert info.num_children == len(node.children), (node.id, info)
+        assert node.lock_ref >= 0
+    leaves = {n for n in nodes if not n.children and not n.lock_ref}
+    assert set(core.evictable_device_leaves) == leaves
+    assert sum(n.tokens for n in leaves) <= core.evictable_size()
+
+
+def node_statistics(core) -> dict[tuple, tuple]:
+    """Every cached node by the tokens from the root to its end: (its tokens, hits, last use, creation, writer's
+    rate, request priority), for either core (`vamp_node` is a Python tree node or a mirror node)."""
+    out = {}
+    for node in core.device_nodes():
+        ends, above = [], node
+        while above.parent is not None:
+            ends.append(above)
+            above = above.parent
+        if isinstance(node, MirrorNode):
+            path = tuple(node.key.token_ids[:node.start + node.tokens])
+        else:
+            path = tuple(t for n in reversed(ends) for t in n.key.token_ids)
+        stats = node.vamp_stats
+        out[path] = (core.node_tokens(node), stats.hits, stats.last_step, stats.created_step, stats.prior, node.priority)
+    return out
+
+
+def replay_both(ops, pool_tokens: int, in_flight: int):
+    """The same requests through VAMP's Python core and the Rust core with the mirror, in lockstep: after every
+    request the same prefix hits, evicted tokens and node statistics, and the mirror equal to the Rust tree.
+    Returns the tokens evicted in all, and the Rust-side cache."""
+    sides = []
+    for policy in ("vamp", "vamp-rust"):
+        cache, allocator, step = build(policy, pool_tokens)
+        sides.append((cache, step, TreeReplay(cache, allocator), []))
+    for kind, tokens, priority in ops:
+        hits = []
+        for cache, step, replay, running in sides:
+            step[0] += 3  # a step each: no two leaves tie (the cores break ties by different clocks)
+            if kind == "probe":
+                key = RadixKey(array("q", tokens))
+                hits.append(cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len)
+                continue
+            admission = replay.admit(tokens, len(tokens))
+            hits.append(None if admission is None else admission.prefix_len)
+            if admission is not None:
+                running.append((admission, tokens, priority))
+            if len(running) > in_flight:
+                finish(replay, *running.pop(0))
+        (python, _, python_replay, _), (rust, _, rust_replay, _) = sides
+        assert hits[0] == hits[1], (kind, hits)
+        assert python_replay.evicted_tokens == rust_replay.evicted_tokens
+        assert node_statistics(python.tree_core) == node_statistics(rust.tree_core)
+        check_mirror(rust.tree_core)
+    for cache, _, replay, running in sides:
+        for admission, tokens, priority in running:
+            finish(replay, admission, tokens, priority)
+    check_mirror(sides[1][0].tree_core)
+    return sides[0][2].evicted_tokens, sides[1][0]
+
+
+def finish(replay: TreeReplay, admission, tokens: list[int], priority: int) -> None:
+    """`TreeReplay.finish` with the request's priority (InsertParams.priority, SGLang's `priority` order)."""
+    if priority:
+        core = replay.cache.tree_core
+        key = RadixKey(array("q", tokens))
+        value = __import__("torch").cat([admission.prefix, admission.new])
+        with core.written_by(admission.prefix_len / len(admission.key)):
+            result = replay.cache.insert(InsertParams(key=key, value=value, prev_prefix_len=admission.prefix_len,
+                                                      priority=priority))
+        present = result.prefix_len - admission.prefix_len
+        if present > 0:
+            replay.allocator.free(admission.new[:present])
+        replay.cache.unlock(admission.lock)
+    else:
+        replay.finish(admission, tokens)
+
+
+@pytest.mark.parametrize("seed,in_flight", [(0, 0), (1, 3), (2, 6)])
+def test_the_rust_core_evicts_as_the_python_core_does(seed, in_flight):
+    evicted_tokens, cache = replay_both(workload(seed, 400), 1024, in_flight)
+    assert evicted_tokens > 2000, "the pool hardly fell short: little was compared"
+    assert cache.tree_core.vamp_ledger.hit_tokens > 0
+
+
+def test_on_bench_tree_the_rust_core_keeps_the_python_cores_hits():
+    from eval.bench_tree import make_trace
+
+    evicted_tokens, _ = replay_both([("turn", tokens, 0) for tokens in make_trace(300, 8, seed=3)], 8192, 0)
+    assert evicted_tokens > 0
+
+
+def test_requests_in_one_step_leave_no_stale_priority():
+    """Many requests per scheduler step, as a server batches them: a node touched or admitted within the step
+    its priority was memoised in must be priced afresh (every leaf's memoised priority equals Eq. 1's now)."""
+    cache, allocator, step = build("vamp-rust", 1024)
+    replay, core = TreeReplay(cache, allocator), cache.tree_core
+    for i, (kind, tokens, _) in enumerate(workload(4, 300)):
+        step[0] += 1 if i % 8 == 0 else 0
+        admission = replay.admit(tokens, len(tokens))
+        if admission is not None:
+            replay.finish(admission, tokens)
+        priced, shares = core.priced_now(), core.vamp_shares
+        for leaf in core.evictable_device_leaves:
+            stats = leaf.vamp_stats
+            fresh = (1, leaf.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
+                                                                   shares.gap_steps(stats.prior)))
+            assert priced(leaf) == fresh, (i, leaf.id)
+    assert replay.evicted_tokens > 0
+
+
+def test_what_the_mirror_cannot_follow_is_refused_before_the_tree_is_built():
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
+                             tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,
+                             enable_session_radix_cache=True)
+    with pytest.raises(ValueError, match="--enable-session-radix-cache"):
+        VampRustTreeCore(params, CostOrder(Coefficients()))
+    hybrid = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
+                             tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+                             eviction_policy=radix_backend.NAME)
+    with pytest.raises(ValueError, match="hybrid"):
+        VampRustTreeCore(hybrid, CostOrder(Coefficients()))

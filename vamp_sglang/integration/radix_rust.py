@@ -1,0 +1,216 @@
+"""VAMP's statistics and eviction order beside SGLang's Rust tree core (issue 23: the tree within 2x of it).
+
+`VampTreeCore` (radix_tree.py) extends SGLang's Python tree core, which costs 0.2-0.7x the Rust core per
+operation. SGLang 0.5.23's Rust core cannot take VAMP's order (it takes its built-in policies by name) and
+hands out no nodes (`node_by_id` raises), but it names every node by a stable id, tells a path's ids, spans and
+child counts (`collect_path_info`), and lets the cache's eviction loop evict any leaf by id: `_evict_components`
+asks `evict_device_next_node` for the next victim and evicts it with `evict_device_leaf`. So `VampRustTreeCore`
+keeps a mirror of the tree (`MirrorNode`: id, parent, children, tokens, locks, `NodeStats`) and names VAMP's
+victims from the same kept order (cache/leaf_order.py) the Python core uses, while the Rust core does the
+matching, inserting, locking and freeing.
+
+The mirror follows the Rust core's tree through its keys: after a match or an insert whose deepest node it
+does not know yet, it reads that node's path and files every new node under its parent by the child key at its
+first token. A new node whose child key its parent already has is a split (the Rust core gives the prefix half
+a new id and keeps the old id on the suffix): the old child moves under it, shorter by its length, with its
+statistics copied, as `VampTreeCore._split_node` copies them. An insert touches every node on its path, as the
+Python core's insert walk does (`_touch_node`, the split-off suffix included); a match touches nothing. Locks
+are counted along the mirror path from the anchor, so a node is an evictable leaf when it has no child and no
+lock. Plain trees only: sessions, HiCache and hybrid states need the Python core (`VampTreeCore`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictDeviceNextNodeResult
+
+from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats
+from vamp_sglang.integration.radix_tree import VampStatistics, _describe, _WatchedLeaves
+
+_FULL = ComponentType.FULL
+
+
+class MirrorNode:
+    """One node of the Rust core's tree as VAMP prices it. `key` is the key of the request that last placed the
+    node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams)."""
+
+    __slots__ = ("children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens", "vamp_stats")
+
+    def __init__(self, node_id: int, parent: MirrorNode | None, key: Any, start: int, tokens: int,
+                 stats: NodeStats) -> None:
+        self.id, self.parent, self.key, self.start, self.tokens = node_id, parent, key, start, tokens
+        self.children: dict[Any, MirrorNode] = {}
+        self.lock_ref, self.priority, self.vamp_stats = 0, 0, stats
+
+    def __lt__(self, other: MirrorNode) -> bool:
+        """Between leaves of equal priority the older node goes first (SGLang's Python nodes break that tie by
+        their last access, a clock the mirror does not follow: matches leave the mirror untouched)."""
+        return self.id < other.id
+
+
+class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
+    """SGLang's Rust tree core with VAMP's p_eff eviction order, from a mirror of its tree (module docstring)."""
+
+    def __init__(self, params: Any, order: CostOrder) -> None:
+        refused = [name for name, on in (("--enable-session-radix-cache", params.enable_session_radix_cache),
+                                          ("a hybrid model's states", _FULL not in params.tree_components
+                                           or len(params.tree_components) > 1)) if on]
+        if refused:
+            raise ValueError(f"VAMP's order on the Rust tree core does not support {', '.join(refused)}: "
+                             "use --radix-cache-backend vamp (SGLang's Python core)")
+        self.init_statistics(order)
+        self.vamp_restored_tokens = 0  # no host tier on this core: an insert never re-fills a host-only node
+        # the Rust core keeps a heap of its own that VAMP does not read: any built-in policy name builds it
+        super().__init__(dataclasses.replace(params, eviction_policy="lru", eviction_policy_config=None))
+        self.vamp_hybrid = False
+        c = order.coefficients
+        self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe)
+        self.vamp_mirror: dict[int, MirrorNode] = {}
+        self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
+        self.vamp_evict_request_tokens = 0
+
+    # --- the mirror -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        super().reset()
+        if hasattr(self, "vamp_mirror"):  # RustUnifiedTreeCore.__init__ does not reset; a later reset clears
+            self.vamp_mirror.clear()
+            self.evictable_device_leaves.clear()
+
+    def vamp_node(self, node_id: int) -> MirrorNode:
+        return self.vamp_mirror[node_id]
+
+    def node_tokens(self, node: MirrorNode) -> int:
+        return node.tokens
+
+    def device_nodes(self) -> list[MirrorNode]:
+        return [n for n in self.vamp_mirror.values() if n.parent is not None]
+
+    def _root(self, root_id: int) -> MirrorNode:
+        root = self.vamp_mirror.get(root_id)
+        if root is None:
+            root = self.vamp_mirror[root_id] = MirrorNode(root_id, None, None, 0, 0, NodeStats(0))
+        return root
+
+    def _follow(self, key: Any, node_id: int, touch: bool) -> None:
+        """File the nodes on the path to `node_id` the mirror does not know yet (`key` reaches it); `touch`: an
+        insert walked the path, so every node on it (and a suffix split off it) was used now."""
+        now = self.now_steps()
+        if node_id not in self.vamp_mirror:
+            page, path = self.page_size, self.collect_path_info([node_id])[0]
+            if not path:  # a root (one per key namespace)
+                self._root(node_id)
+            for info in path:
+                if info.node_id in self.vamp_mirror:
+                    continue
+                parent = self.vamp_mirror.get(info.parent_id) or self._root(info.parent_id)
+                child_key = key.child_key_at(info.path_start, page)
+                node = MirrorNode(info.node_id, parent, key, info.path_start, info.full_value_len or 0,
+                                  NodeStats(now, prior=self.vamp_write_prior))
+                moved = parent.children.get(child_key)
+                if moved is not None:  # a split: the old id keeps the suffix, one level down
+                    if touch:
+                        moved.vamp_stats.touch(now)
+                    node.vamp_stats, node.lock_ref, node.priority = moved.vamp_stats.copy(), moved.lock_ref, moved.priority
+                    moved.start += info.path_end - info.path_start
+                    moved.tokens -= node.tokens
+                    moved.parent = node
+                    node.children[moved.key.child_key_at(moved.start, page)] = moved
+                    self.vamp_priorities.pop(moved.id, None)
+                else:
+                    self.evictable_device_leaves.discard(parent)
+                parent.children[child_key] = node
+                self.vamp_mirror[node.id] = node
+                self._refile(node)
+        if touch:
+            node = self.vamp_mirror[node_id]
+            leaf = node
+            while node.parent is not None:
+                node.vamp_stats.touch(now)
+                self.vamp_priorities.pop(node.id, None)
+                node = node.parent
+            self._refile(leaf)
+
+    def _refile(self, node: MirrorNode) -> None:
+        """Put `node` in the evictable leaves (re-filed at its statistics) or take it out."""
+        if node.parent is not None and not node.children and not node.lock_ref:
+            self.evictable_device_leaves.add(node)
+        else:
+            self.evictable_device_leaves.discard(node)
+
+    def _lock_path(self, node_id: int | None, delta: int) -> None:
+        node = self.vamp_mirror.get(node_id) if node_id is not None else None
+        anchor = node
+        while node is not None and node.parent is not None:
+            node.lock_ref += delta
+            node = node.parent
+        if anchor is not None:
+            self._refile(anchor)
+
+    # --- SGLang's tree operations, followed ------------------------------------------------------
+    def match_prefix(self, params: Any) -> Any:
+        result = super().match_prefix(params)
+        if result.last_device_node not in self.vamp_mirror:
+            self._follow(params.key, result.last_device_node, touch=False)
+        return result
+
+    def begin_insert(self, params: Any) -> Any:
+        self._vamp_insert_key = params.key
+        return self._followed_insert(super().begin_insert(params), params.priority)
+
+    def resume_insert(self) -> Any:
+        return self._followed_insert(super().resume_insert(), None)
+
+    def _followed_insert(self, step: Any, priority: int | None) -> Any:
+        if step.result is not None and step.result.last_device_node is not None:
+            self._follow(self._vamp_insert_key, step.result.last_device_node, touch=True)
+            if priority:
+                node = self.vamp_mirror[step.result.last_device_node]
+                while node.parent is not None:
+                    node.priority = max(node.priority, priority)
+                    node = node.parent
+        return step
+
+    def inc_lock_ref(self, node_id: Any, skip_lock_components: Any = ()) -> Any:
+        result = super().inc_lock_ref(node_id, skip_lock_components)
+        self._lock_path(node_id, 1)
+        return result
+
+    def dec_lock_ref(self, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
+        result = super().dec_lock_ref(node_id, params, skip_swa)
+        self._lock_path(node_id, -1)
+        return result
+
+    # --- eviction in VAMP's order -----------------------------------------------------------------
+    def evict_device_start(self, component_type: ComponentType, request_cnt: int) -> None:
+        self.vamp_evict_request_tokens = request_cnt
+        self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
+
+    def evict_device_next_node(self, component_type: ComponentType, tracker: dict) -> EvictDeviceNextNodeResult:
+        if tracker[_FULL] >= self.vamp_evict_request_tokens:
+            return EvictDeviceNextNodeResult()
+        node = next(self.vamp_walk, None)
+        if node is None:
+            return EvictDeviceNextNodeResult()
+        return EvictDeviceNextNodeResult(node_id=node.id, made_progress=True)
+
+    def evict_device_end(self, component_type: ComponentType) -> None:
+        if self.vamp_walk is not None:
+            self.vamp_walk.close()
+        self.vamp_walk = None
+
+    def evict_device_leaf(self, node_id: Any, is_write_back: bool) -> Any:
+        result = super().evict_device_leaf(node_id, is_write_back)
+        node = self.vamp_mirror.pop(node_id)
+        self.evictable_device_leaves.discard(node)
+        self.vamp_priorities.pop(node_id, None)
+        parent = node.parent
+        del parent.children[node.key.child_key_at(node.start, self.page_size)]
+        self._refile(parent)  # a parent left without children joins the open walk at its key
+        return result
+
+    def vamp_priority(self, node: MirrorNode) -> tuple:
+        return self.priced_now()(node)
