@@ -5,7 +5,8 @@ Both cores get the same requests through SGLang's real `UnifiedRadixCache` (eval
 flight, partial matches and inserts that split nodes, and request priorities. After every request both must
 hold the same nodes with the same statistics, give the same prefix hits and have evicted the same tokens, and
 the mirror must agree with the Rust core's own tree: every node's parent, span and child count
-(`collect_path_info`), and the evictable leaves (no child, no lock).
+(`collect_path_info`), and the evictable leaves (no child, no lock); the decision's read-only walk must name the
+same eviction candidates and price (radix_eviction.py).
 """
 
 import random
@@ -19,7 +20,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from eval.cachesim.tree import TreeReplay, build, prepare
 from vamp_sglang.cache import CostOrder
-from vamp_sglang.integration import radix_backend
+from vamp_sglang.integration import radix_backend, radix_eviction
 from vamp_sglang.integration.radix_rust import MirrorNode, VampRustTreeCore
 from vamp_sglang.policy.costs import Coefficients
 
@@ -119,6 +120,10 @@ def replay_both(ops, pool_tokens: int, in_flight: int):
         assert python_replay.evicted_tokens == rust_replay.evicted_tokens
         assert node_statistics(python.tree_core) == node_statistics(rust.tree_core)
         check_mirror(rust.tree_core)
+        # what the planner reads before a shortfall: the candidates in eviction order and the price (Eq. 2)
+        assert (radix_eviction.eviction_candidates(python, 300, 0, 1, 4)
+                == radix_eviction.eviction_candidates(rust, 300, 0, 1, 4))
+        assert radix_eviction.estimate_eviction(python, 300) == radix_eviction.estimate_eviction(rust, 300)
     for cache, _, replay, running in sides:
         for admission, tokens, priority in running:
             finish(replay, admission, tokens, priority)

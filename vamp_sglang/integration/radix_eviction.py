@@ -5,7 +5,8 @@ so it needs the nodes SGLang's eviction would take, in SGLang's own order, each 
 Eq. 1 prices it by, and the summed C_c (Eq. 2) of freeing N tokens. These are read-only views of a
 `VampTreeCore` (radix_tree.py) handed to the pure walks in vamp_sglang/cache/: `eviction_order` and
 `estimate` replay SGLang's device eviction heap (cache/walk.py), taking the leaves from the order the
-tree keeps between shortfalls where it keeps one (`kept_order`, cache/leaf_order.py), `tokens_losing_reuse` says what a
+tree keeps between shortfalls where it keeps one (`kept_order`, cache/leaf_order.py; on SGLang's Rust core, the
+mirror radix_rust.py keeps of its tree), `tokens_losing_reuse` says what a
 hybrid node's eviction makes unreachable (cache/hybrid.py): a leaf with a state is priced by every
 token its eviction strands, its stateless ancestors included.
 """
@@ -13,16 +14,19 @@ token its eviction strands, its stateless ancestors included.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeNode
 
 from vamp_sglang.cache import EvictionEstimate, HybridTree, estimate, eviction_order, tokens_losing_reuse
-from vamp_sglang.integration.radix_tree import VampTreeCore, tree_core_of
+from vamp_sglang.integration.radix_tree import VampStatistics, VampTreeCore, tree_core_of
 from vamp_sglang.integration.session_refs import SessionRecede
 from vamp_sglang.policy.planner import eviction_need_tokens
 from vamp_sglang.policy.snapshot import EvictableBlock
+
+if TYPE_CHECKING:  # loading radix_rust loads SGLang's Rust extension: only where that core is built
+    from vamp_sglang.integration.radix_rust import MirrorNode, VampRustTreeCore
 
 _FULL = ComponentType.FULL
 _MAMBA = ComponentType.MAMBA
@@ -111,10 +115,36 @@ class _DeviceTreeView:
         return parent
 
 
-def kept_order(core: VampTreeCore) -> Iterator[UnifiedTreeNode]:
+class _MirrorView:
+    """`cache.walk.EvictableTree` over the mirror of SGLang's Rust core (radix_rust.py), reading only."""
+
+    def __init__(self, core: VampRustTreeCore) -> None:
+        self.core, self.priority, self.recede = core, core.vamp_priority, None
+
+    def evictable_leaves(self) -> set[MirrorNode]:
+        return self.core.evictable_device_leaves
+
+    def tokens(self, node: MirrorNode) -> int:
+        return node.tokens
+
+    def parent_if_leaf_after(self, node: MirrorNode, removed: set) -> MirrorNode | None:
+        parent = node.parent
+        if parent.parent is None or parent.lock_ref:
+            return None
+        for child in parent.children.values():
+            if child not in removed:
+                return None
+        return parent
+
+
+def _view(core: VampStatistics) -> _DeviceTreeView | _MirrorView:
+    return _DeviceTreeView(core) if isinstance(core, VampTreeCore) else _MirrorView(core)
+
+
+def kept_order(core: VampStatistics) -> Iterator[Any]:
     """The nodes `core`'s eviction would take, in its order, read-only: from the order the tree keeps
     (pricing only the leaves near the front) where it keeps one, else from a heap over every leaf."""
-    view = _DeviceTreeView(core)
+    view = _view(core)
     if core.vamp_leaf_order is None:
         yield from eviction_order(view)
         return
@@ -185,8 +215,7 @@ def eviction_plan(tree_cache: Any, n_tokens: int) -> EvictionEstimate:
     """The nodes `tree_cache.evict(EvictParams(num_tokens=n_tokens))` would free now, and their C_c."""
     core = tree_core_of(tree_cache)
     lost = LostTokens(core)
-    return estimate(_DeviceTreeView(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)),
-                    kept_order(core))
+    return estimate(_view(core), n_tokens, lambda node: core.cost_of_losing_s(node, lost(node)), kept_order(core))
 
 
 def estimate_eviction(tree_cache: Any, n_tokens: int) -> tuple[int, float]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.tree_core_registry import resolve_tree_core_backend
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictDeviceNextNodeResult
 
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats
@@ -34,11 +35,26 @@ from vamp_sglang.integration.radix_tree import VampStatistics, _describe, _Watch
 _FULL = ComponentType.FULL
 
 
+def refusal(params: Any) -> str | None:
+    """Why this tree cannot carry VAMP's order on the Rust core (None: it can): what the mirror does not follow,
+    and SGLang's own reasons to build its Python core instead (platform, PyTorch version, device)."""
+    if params.enable_session_radix_cache:
+        return "--enable-session-radix-cache (SGLang's Rust core has no sessions)"
+    if tuple(params.tree_components or ()) != (_FULL,):
+        return "a hybrid model's states (the mirror follows full-attention KV only)"
+    if params.eviction_policy != "vamp":
+        return f"--radix-eviction-policy {params.eviction_policy} (the mirror keeps VAMP's order only)"
+    if resolve_tree_core_backend("rust", dataclasses.replace(params, eviction_policy="lru")) != "rust":
+        return "SGLang builds its Python tree core here (see its log line)"
+    return None
+
+
 class MirrorNode:
     """One node of the Rust core's tree as VAMP prices it. `key` is the key of the request that last placed the
     node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams)."""
 
     __slots__ = ("children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens", "vamp_stats")
+    backuped = False  # what the planner reads of a HiCache host copy: this core runs without a host tier
 
     def __init__(self, node_id: int, parent: MirrorNode | None, key: Any, start: int, tokens: int,
                  stats: NodeStats) -> None:
@@ -56,12 +72,9 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
     """SGLang's Rust tree core with VAMP's p_eff eviction order, from a mirror of its tree (module docstring)."""
 
     def __init__(self, params: Any, order: CostOrder) -> None:
-        refused = [name for name, on in (("--enable-session-radix-cache", params.enable_session_radix_cache),
-                                          ("a hybrid model's states", _FULL not in params.tree_components
-                                           or len(params.tree_components) > 1)) if on]
-        if refused:
-            raise ValueError(f"VAMP's order on the Rust tree core does not support {', '.join(refused)}: "
-                             "use --radix-cache-backend vamp (SGLang's Python core)")
+        if reason := refusal(params):
+            raise ValueError(f"VAMP's order cannot run on SGLang's Rust tree core with {reason}: "
+                             "use --vamp-tree-core python")
         self.init_statistics(order)
         self.vamp_restored_tokens = 0  # no host tier on this core: an insert never re-fills a host-only node
         # the Rust core keeps a heap of its own that VAMP does not read: any built-in policy name builds it
@@ -71,7 +84,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe)
         self.vamp_mirror: dict[int, MirrorNode] = {}
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
-        self.vamp_evict_request_tokens = 0
+        self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
+        self.vamp_insert_key: Any = None  # the key of the insert SGLang runs now (it may take several steps)
 
     # --- the mirror -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -88,6 +102,18 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     def device_nodes(self) -> list[MirrorNode]:
         return [n for n in self.vamp_mirror.values() if n.parent is not None]
+
+    def set_hicache_enabled(self) -> None:
+        raise ValueError("VAMP's order on SGLang's Rust tree core has no host tier: HiCache needs "
+                         "--vamp-tree-core python")
+
+    def unlocked_device_values(self) -> list[tuple[int, Any]]:
+        """(node id, its KV indices) of every node no request holds (compaction.py moves their rows)."""
+        return [(n.id, self.get_component_device_value(n.id, _FULL)) for n in self.vamp_mirror.values()
+                if n.parent is not None and not n.lock_ref]
+
+    def set_device_value(self, node_id: int, value: Any) -> None:
+        self.set_component_device_value(node_id, _FULL, value)
 
     def _root(self, root_id: int) -> MirrorNode:
         root = self.vamp_mirror.get(root_id)
@@ -120,6 +146,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                     moved.parent = node
                     node.children[moved.key.child_key_at(moved.start, page)] = moved
                     self.vamp_priorities.pop(moved.id, None)
+                    self._refile(moved)  # its touch moved its key: the kept order's bound for it must not lag
                 else:
                     self.evictable_device_leaves.discard(parent)
                 parent.children[child_key] = node
@@ -158,7 +185,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return result
 
     def begin_insert(self, params: Any) -> Any:
-        self._vamp_insert_key = params.key
+        self.vamp_insert_key = params.key
         return self._followed_insert(super().begin_insert(params), params.priority)
 
     def resume_insert(self) -> Any:
@@ -166,12 +193,14 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     def _followed_insert(self, step: Any, priority: int | None) -> Any:
         if step.result is not None and step.result.last_device_node is not None:
-            self._follow(self._vamp_insert_key, step.result.last_device_node, touch=True)
-            if priority:
-                node = self.vamp_mirror[step.result.last_device_node]
+            self._follow(self.vamp_insert_key, step.result.last_device_node, touch=True)
+            if priority:  # SGLang's request priority, kept per node as the highest written through it
+                node = leaf = self.vamp_mirror[step.result.last_device_node]
                 while node.parent is not None:
                     node.priority = max(node.priority, priority)
+                    self.vamp_priorities.pop(node.id, None)
                     node = node.parent
+                self._refile(leaf)
         return step
 
     def inc_lock_ref(self, node_id: Any, skip_lock_components: Any = ()) -> Any:
