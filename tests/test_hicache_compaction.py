@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration import compaction
+from vamp_sglang.integration import compaction, radix_tree
 
 
 class _Cd:
@@ -22,7 +22,8 @@ class _Node:
 
 
 def _tree(nodes, writing=(), loading=()):
-    core = SimpleNamespace(device_nodes=lambda: nodes)
+    core = SimpleNamespace(device_nodes=lambda: nodes)  # what VampTreeCore reads of its nodes here
+    core.unlocked_device_values = lambda: radix_tree.VampTreeCore.unlocked_device_values(core)
     cache = SimpleNamespace(
         tree_core=core,
         ongoing_write_through={70 + n: SimpleNamespace(node_id=n, publish_node_ids=[n]) for n in writing},
@@ -33,7 +34,7 @@ def _tree(nodes, writing=(), loading=()):
 def _movable(monkeypatch, nodes, **kw):
     cache, core = _tree(nodes, **kw)
     monkeypatch.setattr(compaction.radix_tree, "tree_core_of", lambda tree_cache: core)
-    return {int(value[mask][0]) for value, mask in compaction._movable_tail(cache, keep_tokens=10)}
+    return {int(value[mask][0]) for _, value, mask in compaction._movable_tail(cache, keep_tokens=10)}
 
 
 def test_nodes_with_a_host_copy_or_a_transfer_keep_their_rows(monkeypatch):
@@ -46,4 +47,4 @@ def test_without_hicache_every_unlocked_tail_node_moves(monkeypatch):
     cache, core = _tree(nodes)
     del cache.ongoing_write_through, cache.ongoing_load_back
     monkeypatch.setattr(compaction.radix_tree, "tree_core_of", lambda tree_cache: core)
-    assert {int(v[m][0]) for v, m in compaction._movable_tail(cache, keep_tokens=10)} == {11, 13}
+    assert {int(v[m][0]) for _, v, m in compaction._movable_tail(cache, keep_tokens=10)} == {11, 13}

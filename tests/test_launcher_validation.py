@@ -59,6 +59,9 @@ BAD_FLAGS = [
     (["--vamp-tpot-slo-ms", "fast"], "--vamp-tpot-slo-ms"),
     (["--vamp-staging", "fast"], "--vamp-staging"),
     (["--vamp-staging", ""], "--vamp-staging"),
+    (["--vamp-tree-core", "c"], "--vamp-tree-core"),
+    (["--vamp-tree-core", "rust", "--enable-session-radix-cache"], "--vamp-tree-core"),
+    (["--vamp-tree-core", "rust", "--enable-hierarchical-cache"], "--vamp-tree-core"),
 ]
 
 

@@ -14,6 +14,7 @@ from sglang.srt.server_args import ServerArgs
 
 from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401 (fixture)
 from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.radix_rust import VampRustTreeCore
 from vamp_sglang.policy import EvictableBlock
 
 
@@ -48,6 +49,12 @@ def test_registries_build_our_tree_from_server_flags():
         server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
         disable_radix_cache=False, tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None))
     assert type(cache) is radix_tree.VampUnifiedRadixCache
+    assert type(cache.tree_core) is VampRustTreeCore  # --vamp-tree-core auto: SGLang's Rust core carries the order
+    params.enable_session_radix_cache = True  # which its Rust core cannot hold: the Python core then
+    cache = create_tree_cache(TreeCacheBuildContext(
+        server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False,
+        disable_radix_cache=False, tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None))
+    assert type(cache.tree_core) is radix_tree.VampTreeCore
     assert type(cache.tree_core.eviction_strategy) is radix_tree.VampStrategy
 
 

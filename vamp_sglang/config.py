@@ -24,6 +24,7 @@ ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "por
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
 STAGING = ("auto", "whole", "routed")  # memory/staging_choice.py (issue 12)
+TREE_CORES = ("auto", "python", "rust")  # integration/radix_backend.py: which SGLang tree core carries VAMP's order
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,7 @@ class VampConfig:
     controller_key_file: str | None = None  # --nnodes > 1: the deployment's CURVE key pair (mode 0600)
     tpot_slo_ms: float | None = None  # TPOT SLO: no offload projected past it (policy/tpot_guard); None: off
     staging: str = "auto"  # whole-region prefetch (paper IV-D), routed-only copies, or a per-step choice
+    tree_core: str = "auto"  # SGLang's Rust tree core where it can carry VAMP's order (auto), or its Python core
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +78,7 @@ class VampConfig:
              f"--vamp-page-backend must be one of {', '.join(PAGE_BACKENDS)}"),
             (0 <= self.controller_port <= 65535, "--vamp-controller-port must be in [0, 65535] (0: dist-init + 7)"),
             (self.staging in STAGING, f"--vamp-staging must be one of {', '.join(STAGING)}"),
+            (self.tree_core in TREE_CORES, f"--vamp-tree-core must be one of {', '.join(TREE_CORES)}"),
             (self.tpot_slo_ms is None or (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0),
              "--vamp-tpot-slo-ms must be a positive finite number of milliseconds"),
         ]
@@ -154,6 +157,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = PAGE_BACKENDS
         if field.name == "staging":
             kwargs["choices"] = STAGING
+        if field.name == "tree_core":
+            kwargs["choices"] = TREE_CORES
         group.add_argument(_flag(field.name), **kwargs)
 
 

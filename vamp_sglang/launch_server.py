@@ -90,6 +90,7 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    p.add_argument("--enable-session-radix-cache", action="store_true")
     for flag in [flag for flag in _UNSUPPORTED_WITH_VAMP if flag != _SPECULATIVE]:
         p.add_argument(flag, action="store_true")
     hybrid_refusals.add_flags(p)  # with _SPECULATIVE
@@ -123,6 +124,12 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
             raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
     if refusal := hicache_refusals.refused(sg, vamp.enabled, hybrid_model.is_hybrid_linear(sg.model_path)):
         raise ConfigError(refusal)
+    if vamp.tree_core == "rust":  # what SGLang's Rust core cannot hold under VAMP's order (radix_rust.refusal)
+        held = [flag for flag in ("--enable-session-radix-cache", "--enable-hierarchical-cache")
+                if getattr(sg, flag.removeprefix("--").replace("-", "_"))]
+        held += ["a hybrid linear-attention model"] if hybrid_model.is_hybrid_linear(sg.model_path) else []
+        if held:
+            raise ConfigError(f"--vamp-tree-core rust cannot hold {', '.join(held)}: use auto or python")
     if not vamp.enabled:
         return
     if sg.disable_radix_cache:

@@ -23,21 +23,16 @@ from vamp_sglang.integration import kv_pool as pools
 from vamp_sglang.integration import radix_tree
 
 
-def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(node value, mask of its rows above `keep_tokens`) for every unlocked tree node holding such
+def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(node id, its KV indices, mask of its rows above `keep_tokens`) for every unlocked tree node holding such
     rows: only the tree refers to those rows, so they may move while requests run."""
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
     held, hicache = [], _held_by_hicache(tree_cache)
-    for node in radix_tree.tree_core_of(tree_cache).device_nodes():
-        full = node.component_data[ComponentType.FULL]
-        if any(cd.lock_ref > 0 for cd in node.component_data) or full.host_value is not None or node.id in hicache:
+    for node_id, value in radix_tree.tree_core_of(tree_cache).unlocked_device_values():
+        if node_id in hicache or value is None or not value.numel():
             continue
-        value = full.value
-        if value is not None and value.numel():
-            mask = value > keep_tokens
-            if bool(mask.any()):
-                held.append((value, mask))
+        mask = value > keep_tokens
+        if bool(mask.any()):
+            held.append((node_id, value, mask))
     return held
 
 
@@ -59,7 +54,7 @@ def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
         return False
     free = allocator.get_all_free_pages()
     used_above = (int(allocator.size) - keep_tokens) - int((free > keep_tokens).sum())
-    return used_above == sum(int(mask.sum()) for _, mask in _movable_tail(tree_cache, keep_tokens))
+    return used_above == sum(int(mask.sum()) for _, _, mask in _movable_tail(tree_cache, keep_tokens))
 
 
 def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int) -> int:
@@ -73,7 +68,7 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     held = _movable_tail(tree_cache, keep_tokens)
     if not held:
         return 0
-    src = torch.cat([value[mask] for value, mask in held])
+    src = torch.cat([value[mask] for _, value, mask in held])
     free = allocator.get_all_free_pages()  # the sorted free list and the lazily released ids
     low = free[free <= keep_tokens]
     if low.numel() < src.numel():
@@ -81,10 +76,11 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     dst = low[: src.numel()].to(src.dtype)
     for buffer in pools.sglang_buffers(kv_pool):  # [rows, heads, head_dim] per layer (NHD; MLA: heads 1)
         buffer[dst] = buffer[src]
-    offset = 0
-    for value, mask in held:
+    offset, core = 0, radix_tree.tree_core_of(tree_cache)
+    for node_id, value, mask in held:
         count = int(mask.sum())
         value[mask] = dst[offset: offset + count]
+        core.set_device_value(node_id, value)  # the Rust core hands out a copy of its indices
         offset += count
     allocator.free_pages = torch.cat([free[~torch.isin(free, dst)], src.to(free.dtype)])
     if allocator.release_pages is not None:

@@ -2,8 +2,13 @@
 
 Registration goes through SGLang's own registries (`install`, run in every SGLang process):
 
-    --radix-cache-backend vamp      VampUnifiedRadixCache over VampTreeCore (stats, estimates)
+    --radix-cache-backend vamp      VampUnifiedRadixCache over a tree core with VAMP's statistics (estimates)
     --radix-eviction-policy vamp    evict in the tree's order (Eq. 1 extended, cache/ordering.py); needs the backend
+    --vamp-tree-core auto|python|rust
+                                    which SGLang tree core holds the tree: `VampRustTreeCore` (its Rust core, VAMP's
+                                    order kept beside it, radix_rust.py) where that core can follow the tree (auto's
+                                    choice), else `VampTreeCore` (its Python core, radix_tree.py): HiCache, radix-native
+                                    sessions, hybrid models' states, eviction policies other than vamp
 
 Once a scheduler has built its tree, `setup_scheduler` binds it to that process: ages in the
 scheduler's steps (`forward_ct`, the unit of Eq. 1's tau), the runtime's one hit-rate ledger (so
@@ -15,6 +20,7 @@ it then writes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +28,16 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from vamp_sglang.cache import CostOrder, pow2_histogram
 from vamp_sglang.config import VampConfig
-from vamp_sglang.integration.radix_tree import VampStrategy, VampTreeCore, VampUnifiedRadixCache, tree_core_of
+from vamp_sglang.integration.radix_tree import (
+    VampStatistics,
+    VampStrategy,
+    VampTreeCore,
+    VampUnifiedRadixCache,
+    tree_core_of,
+)
 from vamp_sglang.policy.costs import Coefficients
 
+logger = logging.getLogger(__name__)
 NAME = "vamp"  # the backend, tree-core and eviction-policy name
 RUST_NAME = "vamp-rust"  # the tree core with VAMP's order beside SGLang's Rust core (radix_rust.py)
 _FULL = ComponentType.FULL
@@ -43,6 +56,7 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
     nodes, now, ledger = core.device_nodes(), core.now_steps(), core.vamp_ledger
     evictable, protected = int(core.full_evictable_size()), int(core.full_protected_size())
     out = {
+        "tree_core": "python" if isinstance(core, VampTreeCore) else "rust",  # SGLang's core under the statistics
         "node_count": len(nodes),
         "cached_tokens": evictable + protected,
         "evictable_tokens": evictable,
@@ -57,7 +71,7 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
         "evicted_tokens": core.vamp_evicted_tokens,
         "reuse_by_writer_hit_rate": core.vamp_shares.snapshot(),  # the r_hit priors of Eq. 1, by writer class
     }
-    if core.enable_session_radix_cache:  # what open sessions hold; the rest goes first (README, sessions)
+    if getattr(core, "enable_session_radix_cache", False):  # what open sessions hold; the rest goes first
         out["open_session_tokens"] = sum(core.node_tokens(n) for n in nodes
                                          if n.component_data[_FULL].session_ref > 0)
     return out
@@ -88,7 +102,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     from sglang.srt.runtime_context import get_memory
 
     tree_cache = scheduler.tree_cache
-    if not isinstance(getattr(tree_cache, "tree_core", None), VampTreeCore):
+    if not isinstance(getattr(tree_cache, "tree_core", None), VampStatistics):
         if get_memory().radix_eviction_policy == NAME:
             raise RuntimeError("--radix-eviction-policy vamp needs --radix-cache-backend vamp "
                                f"(this scheduler built {type(tree_cache).__name__})")
@@ -105,8 +119,44 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
 def _build_cache(ctx: Any) -> VampUnifiedRadixCache:
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    ctx.params.tree_core_backend = NAME
+    ctx.params.tree_core_backend = _tree_core_name(ctx, _config().tree_core)
     return create_unified_radix_cache(ctx, cache_class=VampUnifiedRadixCache)
+
+
+def _config() -> VampConfig:
+    return VampConfig.from_env() or VampConfig()
+
+
+def _tree_core_name(ctx: Any, choice: str) -> str:
+    """The tree core `--vamp-tree-core` names, where what SGLang adds after building it (a host tier) allows the
+    Rust core; the Rust core's factory then checks the tree itself (`_tree_core`)."""
+    from sglang.srt.runtime_context import get_disagg, get_memory
+
+    if choice == "python":
+        return NAME
+    host_tier = [name for name, on in (
+        ("--enable-hierarchical-cache", ctx.enable_hierarchical_cache),
+        ("host-pool retraction", get_disagg().disaggregation_decode_retraction_backup == "host_pool"),
+        ("an external cache linker", get_memory().enable_unified_cache_external_linker)) if on]
+    if host_tier:
+        if choice == "rust":
+            raise ValueError(f"--vamp-tree-core rust has no host tier ({', '.join(host_tier)}): use auto or python")
+        logger.info("VAMP's tree on SGLang's Python core: %s", ", ".join(host_tier))
+        return NAME
+    return RUST_NAME
+
+
+def _tree_core(params: Any, components: dict, order: CostOrder, choice: str) -> VampTreeCore:
+    """`VampRustTreeCore` where the mirror can follow the tree, else (auto) `VampTreeCore`."""
+    from vamp_sglang.integration import radix_rust
+
+    reason = radix_rust.refusal(params)
+    if reason is None:
+        return radix_rust.VampRustTreeCore(params, order)
+    if choice == "rust":
+        raise ValueError(f"--vamp-tree-core rust cannot carry VAMP's order with {reason}: use auto or python")
+    logger.info("VAMP's tree on SGLang's Python core: %s", reason)
+    return VampTreeCore(params, components, order)
 
 
 def install() -> None:
@@ -123,15 +173,15 @@ def install() -> None:
         register_tree_core_backend,
     )
 
-    order = CostOrder(Coefficients.from_config(VampConfig.from_env() or VampConfig()))
+    config = _config()
+    order = CostOrder(Coefficients.from_config(config))
     if NAME not in RADIX_EVICTION_POLICY_CHOICES:
         add_radix_eviction_policy_choices([NAME])
     mem_cache_utils._EVICTION_POLICY_FACTORIES[NAME] = VampStrategy  # no public API for this dict
     if get_tree_core_factory(NAME) is None:
         register_tree_core_backend(NAME, lambda params, components: VampTreeCore(params, components, order))
     if get_tree_core_factory(RUST_NAME) is None:
-        from vamp_sglang.integration.radix_rust import VampRustTreeCore
-
-        register_tree_core_backend(RUST_NAME, lambda params, components: VampRustTreeCore(params, order))
+        register_tree_core_backend(RUST_NAME, lambda params, components: _tree_core(params, components, order,
+                                                                                   config.tree_core))
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, _build_cache)

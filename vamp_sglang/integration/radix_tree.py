@@ -312,6 +312,15 @@ class VampTreeCore(VampStatistics, UnifiedTreeCore):
     def device_nodes(self) -> list[UnifiedTreeNode]:
         return [n for n in self._node_arena.values() if n is not self.root_node and not n.evicted]
 
+    def unlocked_device_values(self) -> list[tuple[int, Any]]:
+        """(node id, its KV indices) of every node no request holds and HiCache has no host copy of (compaction.py
+        moves their rows; a host copy's transfers captured the rows they read)."""
+        return [(n.id, n.component_data[_FULL].value) for n in self.device_nodes()
+                if not any(cd.lock_ref > 0 for cd in n.component_data) and n.component_data[_FULL].host_value is None]
+
+    def set_device_value(self, node_id: int, value: Any) -> None:
+        self.node_by_id(node_id).component_data[_FULL].value = value
+
 
 class VampUnifiedRadixCache(UnifiedRadixCache):
     """SGLang's unified cache over `VampTreeCore`: tags what a request writes, counts what is evicted."""
