@@ -192,3 +192,38 @@ def test_what_the_mirror_cannot_follow_is_refused_before_the_tree_is_built():
                              eviction_policy=radix_backend.NAME)
     with pytest.raises(ValueError, match="hybrid"):
         VampRustTreeCore(hybrid, CostOrder(Coefficients()))
+
+
+def test_compaction_moves_the_rust_cores_rows_and_their_bytes():
+    """Restoring experts shrinks the pool from its tail (compaction.py): the rows of unlocked nodes above the new
+    size move to free rows below it, bytes and indices both, through the Rust core's own values."""
+    import torch
+
+    from vamp_sglang.integration import compaction
+    from vamp_sglang.integration.kv_pool import sglang_buffers
+
+    cache, allocator, step = build("vamp-rust", 64)
+    replay, kv = TreeReplay(cache, allocator), allocator.get_kvcache()
+    held_low = allocator.alloc(32)  # the next allocations land above row 32
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 8, 9, 10]]
+    for tokens in prompts:
+        step[0] += 1
+        admission = replay.admit(tokens, len(tokens))
+        replay.finish(admission, tokens)
+    locked = cache.lock(cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompts[2])))).last_device_node)
+    allocator.free(held_low)
+    rows_before = {tuple(t): cache.path_device_indices(cache.match_prefix(
+        MatchPrefixParams(key=RadixKey(array("q", t)))).last_device_node) for t in prompts}
+    for buffer in sglang_buffers(kv):
+        buffer.copy_(torch.arange(buffer.shape[0], dtype=buffer.dtype).view(-1, 1, 1).expand_as(buffer))
+    moved = compaction.compact_tail(cache, allocator, kv, keep_tokens=32)
+    assert moved == 8  # the unlocked nodes' rows: [1, 2, 3], [4, 5, 6], [9, 9]; [7, 8, 9, 10] is locked
+    for tokens in prompts:
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        rows = cache.path_device_indices(match.last_device_node)
+        assert match.device_prefix_len == len(tokens)
+        for buffer in sglang_buffers(kv):  # each token's bytes moved with it
+            assert torch.equal(buffer[rows, 0, 0], rows_before[tuple(tokens)].to(buffer.dtype))
+        assert bool((rows <= 32).all()) == (tokens != prompts[2])
+    cache.unlock(locked)
+    check_mirror(cache.tree_core)

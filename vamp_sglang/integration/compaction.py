@@ -76,11 +76,10 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     dst = low[: src.numel()].to(src.dtype)
     for buffer in pools.sglang_buffers(kv_pool):  # [rows, heads, head_dim] per layer (NHD; MLA: heads 1)
         buffer[dst] = buffer[src]
-    offset, core = 0, radix_tree.tree_core_of(tree_cache)
-    for node_id, value, mask in held:
+    offset = 0
+    for _, value, mask in held:  # in place: the tree's own index tensor (SGLang's Rust core hands out its own too)
         count = int(mask.sum())
         value[mask] = dst[offset: offset + count]
-        core.set_device_value(node_id, value)  # the Rust core hands out a copy of its indices
         offset += count
     allocator.free_pages = torch.cat([free[~torch.isin(free, dst)], src.to(free.dtype)])
     if allocator.release_pages is not None:

@@ -108,12 +108,10 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                          "--vamp-tree-core python")
 
     def unlocked_device_values(self) -> list[tuple[int, Any]]:
-        """(node id, its KV indices) of every node no request holds (compaction.py moves their rows)."""
+        """(node id, its KV indices) of every node no request holds (compaction.py moves their rows in place: the
+        Rust core hands out the tensor it holds, not a copy; tests/test_radix_rust.py checks that it still does)."""
         return [(n.id, self.get_component_device_value(n.id, _FULL)) for n in self.vamp_mirror.values()
                 if n.parent is not None and not n.lock_ref]
-
-    def set_device_value(self, node_id: int, value: Any) -> None:
-        self.set_component_device_value(node_id, _FULL, value)
 
     def _root(self, root_id: int) -> MirrorNode:
         root = self.vamp_mirror.get(root_id)

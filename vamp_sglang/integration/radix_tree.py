@@ -318,9 +318,6 @@ class VampTreeCore(VampStatistics, UnifiedTreeCore):
         return [(n.id, n.component_data[_FULL].value) for n in self.device_nodes()
                 if not any(cd.lock_ref > 0 for cd in n.component_data) and n.component_data[_FULL].host_value is None]
 
-    def set_device_value(self, node_id: int, value: Any) -> None:
-        self.node_by_id(node_id).component_data[_FULL].value = value
-
 
 class VampUnifiedRadixCache(UnifiedRadixCache):
     """SGLang's unified cache over `VampTreeCore`: tags what a request writes, counts what is evicted."""
