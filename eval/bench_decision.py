@@ -1,4 +1,5 @@
-"""`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --radix-sessions --json OUT]`.
+"""`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --radix-sessions
+--tree-core python|rust --json OUT]`.
 
 What one VAMP decision costs at a KV shortfall, against SGLang's own eviction on the same tree.
 The tree is SGLang's real `UnifiedRadixCache` over our tree core: S multi-turn sessions behind one
@@ -22,6 +23,9 @@ The default reports two trees: 500 sessions (10,006 nodes) and 5,000 (100,006 no
 `--radix-sessions`: the same trees under SGLang's radix-native sessions (`--enable-session-radix-cache`), every
 session's last turn tagged with its session and every other session closed, so the key is SGLang's
 (open, refs, the tree's priority) and evictions take the closed sessions' turns.
+
+`--tree-core rust`: the same trees with VAMP's order kept beside SGLang's Rust core (`VampRustTreeCore`,
+integration/radix_rust.py); `sglang_evict` is then the Rust core's own walk with its LRU order, SGLang's default.
 
 After each eviction the evicted turns are written back, so every repeat sees the same tree.
 Prints the medians and p99s and their ratio to SGLang's eviction, as JSON too; a script, not a
@@ -55,8 +59,9 @@ SYSTEM_PROMPT_TOKENS = 256
 TURN_TOKENS = (16, 48)  # each turn adds this many tokens (uniform)
 
 
-def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = False):
-    """The cache, its step counter, and each session's turns (to write evicted ones back)."""
+def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = False, tree_core: str = "python"):
+    """The cache, its step counter, and each session's turns (to write evicted ones back). `tree_core`: VAMP's
+    order on SGLang's Python core (`VampTreeCore`) or beside its Rust core (`VampRustTreeCore`)."""
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(SYSTEM_PROMPT_TOKENS)]
     histories = [[list(system)] for _ in range(sessions)]
@@ -69,7 +74,8 @@ def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = Fals
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                              page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,
-                             tree_core_backend=radix_backend.NAME, enable_session_radix_cache=radix_sessions)
+                             tree_core_backend=radix_backend.RUST_NAME if tree_core == "rust" else radix_backend.NAME,
+                             enable_session_radix_cache=radix_sessions)
     cache = radix_tree.VampUnifiedRadixCache(params)
     step = [0]
     radix_backend.bind_step_source(cache, lambda: step[0])
@@ -140,6 +146,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="for the first tree; a tenth (>= 20) for larger")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--radix-sessions", action="store_true", help="SGLang's radix-native sessions on, half closed")
+    parser.add_argument("--tree-core", choices=("python", "rust"), default="python",
+                        help="VAMP's order on SGLang's Python core, or beside its Rust core (sglang_evict: its LRU)")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -148,7 +156,8 @@ def main() -> None:
     results = []
     for i, sessions in enumerate(int(v) for v in args.sessions.split(",")):
         repeats = args.repeats if i == 0 else max(20, args.repeats // 10)
-        results.append(bench_tree(sessions, args.turns, args.gap_tokens, repeats, args.seed, args.radix_sessions))
+        results.append(bench_tree(sessions, args.turns, args.gap_tokens, repeats, args.seed, args.radix_sessions,
+                                  args.tree_core))
     print(json.dumps(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -156,8 +165,22 @@ def main() -> None:
 
 
 def stock_evict(cache, n_tokens: int) -> None:
-    """SGLang's own device walk (its heap over every evictable leaf), this tree's kept order set aside."""
-    full = cache.tree_core.components_by_type[ComponentType.FULL]
+    """SGLang's own device walk (its heap over every evictable leaf), this tree's kept order set aside: on the
+    Rust core, its own LRU walk (SGLang's default eviction; the mirror still sees each leaf go)."""
+    core = cache.tree_core
+    if not isinstance(core, radix_tree.VampTreeCore):
+        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+
+        names = ("evict_device_start", "evict_device_next_node", "evict_device_end")
+        for name in names:
+            setattr(core, name, getattr(RustUnifiedTreeCore, name).__get__(core))
+        try:
+            cache.evict(EvictParams(num_tokens=n_tokens))
+        finally:
+            for name in names:
+                delattr(core, name)
+        return
+    full = core.components_by_type[ComponentType.FULL]
     patched = {name: full.__dict__.pop(name) for name in
                ("_evict_device_start", "_evict_device_next_node", "_evict_device_end") if name in full.__dict__}
     try:
@@ -167,8 +190,8 @@ def stock_evict(cache, n_tokens: int) -> None:
 
 
 def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: int,
-               radix_sessions: bool = False) -> dict:
-    cache, allocator, step, histories = build_tree(sessions, turns, seed, radix_sessions)
+               radix_sessions: bool = False, tree_core: str = "python") -> dict:
+    cache, allocator, step, histories = build_tree(sessions, turns, seed, radix_sessions, tree_core)
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
@@ -180,6 +203,8 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     def kept_evict() -> None:
         cache.evict(EvictParams(num_tokens=gap_tokens))
 
+    if radix_sessions and tree_core == "rust":
+        raise ValueError("--radix-sessions needs --tree-core python (SGLang's Rust core has no sessions)")
     for _ in tqdm(range(repeats), desc=f"timing decisions ({nodes} nodes)"):
         step[0] += 1
         times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients, parts))))
@@ -198,7 +223,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     stats = {name: summary(samples) for name, samples in times.items()}
     base = stats["sglang_evict"]["median"]
     result = {"nodes": nodes, "evictable_leaves": leaves, "gap_tokens": gap_tokens, "repeats": repeats,
-              "radix_sessions": radix_sessions, "plans": sorted(actions)}
+              "radix_sessions": radix_sessions, "tree_core": tree_core, "plans": sorted(actions)}
     for name in names:
         result[f"{name}_us_median"], result[f"{name}_us_p99"] = stats[name]["median"], stats[name]["p99"]
         if name != "sglang_evict":
