@@ -211,9 +211,10 @@ def test_cost_order_keeps_the_reused_session_where_lru_evicts_it():
 def test_radix_stats_report_sizes_reuse_and_evictions_only():
     _, info = scenario("vamp")
     stats = info["stats"]
-    assert set(stats) == {"node_count", "cached_tokens", "evictable_tokens", "protected_tokens", "admissions",
+    assert set(stats) == {"tree_core", "node_count", "cached_tokens", "evictable_tokens", "protected_tokens", "admissions",
                           "hit_tokens", "requested_tokens", "hit_rate", "hits_histogram", "age_histogram_steps",
                           "evicted_tokens", "reuse_by_writer_hit_rate"}
+    assert stats["tree_core"] == "python"  # scenario() builds VampTreeCore itself
     assert (stats["node_count"], stats["cached_tokens"], stats["evictable_tokens"]) == (3, 48, 48)
     assert (stats["admissions"], stats["hit_tokens"], stats["requested_tokens"]) == (6, 48, 96)
     assert stats["hits_histogram"]["2-3"] == 1 and stats["hits_histogram"]["0"] == 2
