@@ -12,11 +12,12 @@ matching, inserting, locking and freeing.
 The mirror follows the Rust core's tree through its keys: after a match or an insert whose deepest node it
 does not know yet, it reads that node's path and files every new node under its parent by the child key at its
 first token. A new node whose child key its parent already has is a split (the Rust core gives the prefix half
-a new id and keeps the old id on the suffix): the old child moves under it, shorter by its length, with its
-statistics copied, as `VampTreeCore._split_node` copies them. An insert touches every node on its path, as the
+a new id and keeps the old id on the suffix): the old child moves under it, shorter by its length, and the new
+node takes a copy of its statistics, as `VampTreeCore._split_node` gives them. An insert touches every node on its path, as the
 Python core's insert walk does (`_touch_node`, the split-off suffix included); a match touches nothing. Locks
 are counted along the mirror path from the anchor, so a node is an evictable leaf when it has no child and no
-lock. Plain trees only: sessions, HiCache and hybrid states need the Python core (`VampTreeCore`).
+lock. Plain trees only: sessions, HiCache and hybrid states need the Python core (`VampTreeCore`);
+`--vamp-tree-core auto` picks per tree (radix_backend.py, `refusal` here).
 """
 
 from __future__ import annotations

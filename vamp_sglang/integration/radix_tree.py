@@ -3,7 +3,9 @@
 SGLang 0.5.23 builds `UnifiedRadixCache` over a pluggable tree core; its default Rust core takes
 only the eight built-in eviction policies by name, so `VampTreeCore` subclasses the Python core
 (`UnifiedTreeCore`, the one SGLang itself uses for sessions and KV sharding) and adds per-node
-`NodeStats`. Everything else stays SGLang's: the tree walk, locks, HiCache tiers, session refs and
+`NodeStats`. Where the tree has no sessions, host tier or hybrid states, `VampRustTreeCore`
+(radix_rust.py) keeps the same statistics and order beside the Rust core instead, from a mirror of its tree;
+what both keep is `VampStatistics`. Everything else stays SGLang's: the tree walk, locks, HiCache tiers, session refs and
 paging. `VampStrategy` is `--radix-eviction-policy vamp`: nodes not expected back first, by lowest
 p_eff (Eq. 1), then farthest expected next use (cache/ordering.py), read from the core that keeps the
 statistics. How these enter SGLang is
