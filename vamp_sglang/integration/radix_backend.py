@@ -146,7 +146,7 @@ def _tree_core_name(ctx: Any, choice: str) -> str:
     return RUST_NAME
 
 
-def _tree_core(params: Any, components: dict, order: CostOrder, choice: str) -> VampTreeCore:
+def _tree_core(params: Any, components: dict, order: CostOrder, choice: str) -> VampStatistics:
     """`VampRustTreeCore` where the mirror can follow the tree, else (auto) `VampTreeCore`."""
     from vamp_sglang.integration import radix_rust
 

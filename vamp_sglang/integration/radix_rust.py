@@ -76,8 +76,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if reason := refusal(params):
             raise ValueError(f"VAMP's order cannot run on SGLang's Rust tree core with {reason}: "
                              "use --vamp-tree-core python")
-        self.init_statistics(order)
-        self.vamp_restored_tokens = 0  # no host tier on this core: an insert never re-fills a host-only node
+        self.init_statistics(order)  # vamp_restored_tokens stays 0: no host tier here for an insert to re-fill
         # the Rust core keeps a heap of its own that VAMP does not read: any built-in policy name builds it
         super().__init__(dataclasses.replace(params, eviction_policy="lru", eviction_policy_config=None))
         self.vamp_hybrid = False
@@ -86,7 +85,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_mirror: dict[int, MirrorNode] = {}
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
-        self.vamp_insert_key: Any = None  # the key of the insert SGLang runs now (it may take several steps)
+        self.vamp_insert: Any = None  # the InsertParams of the insert SGLang runs now (it may take several steps)
 
     # --- the mirror -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -184,16 +183,17 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return result
 
     def begin_insert(self, params: Any) -> Any:
-        self.vamp_insert_key = params.key
-        return self._followed_insert(super().begin_insert(params), params.priority)
+        self.vamp_insert = params
+        return self._followed_insert(super().begin_insert(params))
 
     def resume_insert(self) -> Any:
-        return self._followed_insert(super().resume_insert(), None)
+        return self._followed_insert(super().resume_insert())
 
-    def _followed_insert(self, step: Any, priority: int | None) -> Any:
+    def _followed_insert(self, step: Any) -> Any:
+        """The insert's last step (its result) followed: its path, touched, and its request priority."""
         if step.result is not None and step.result.last_device_node is not None:
-            self._follow(self.vamp_insert_key, step.result.last_device_node, touch=True)
-            if priority:  # SGLang's request priority, kept per node as the highest written through it
+            self._follow(self.vamp_insert.key, step.result.last_device_node, touch=True)
+            if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
                 node = leaf = self.vamp_mirror[step.result.last_device_node]
                 while node.parent is not None:
                     node.priority = max(node.priority, priority)

@@ -94,7 +94,8 @@ class VampStatistics:
         self.vamp_write_prior: float | None = None  # hit rate of the request inserting right now
         self.vamp_leaf_order = None  # set where the order is p_eff's alone
         self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
-        self.vamp_sessions = False
+        self.vamp_sessions = False  # SGLang's radix-native sessions order the leaves first
+        self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
 
     def now_steps(self) -> int:
         return int(self.vamp_step_fn())
@@ -186,8 +187,6 @@ class VampTreeCore(VampStatistics, UnifiedTreeCore):
 
     def __init__(self, params: Any, components: dict, order: CostOrder) -> None:
         self.init_statistics(order)  # before super().__init__: reset() already creates the root through _new_node
-        self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
-        self.vamp_sessions = False  # SGLang's radix-native sessions order the leaves first (set below)
         super().__init__(params, components)
         self.vamp_hybrid = _MAMBA in self.components_by_type  # linear-attention states in the tree
         if isinstance(self.eviction_strategy, VampStrategy):
