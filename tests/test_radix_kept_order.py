@@ -118,6 +118,10 @@ def test_walk_order_is_the_sort_by_exact_key(nodes, ops, now):
     def walk_is_the_sort(step):
         now_step[0] = step
         walk = kept.walk(step, dict(priors), dict(gaps), exact, lambda n: True)
+        for node in live.values():  # a walk takes a filed leaf at its filing's key without pricing it
+            key, entry, described, _ = kept.entries[node.id]
+            if described == _describe(node):
+                assert kept.filed_key(key, kept.bound(key, entry, step), entry) == exact(node)
         assert [n.id for n in walk] == [n.id for n in sorted(live.values(), key=lambda n: (exact(n), n))]
 
     for target, op, amount in ops:
@@ -161,7 +165,8 @@ def test_a_discarded_leaf_is_not_kept_alive_by_its_dead_heap_entry():
     kept.discard(nodes.pop(0))
     gc.collect()
     assert gone() is None
-    assert [n.id for n in kept.walk(10, {}, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [1, 2]
+    # never hit, class not published: p_eff 0 for both, so the newest goes first
+    assert [n.id for n in kept.walk(10, {}, {}, lambda n: (n.vamp_stats.last_step,), lambda n: True)] == [2, 1]
 
 
 # a writer class and the prior published for it (r_hit = 0.84: just below a 2^(1/8) edge of the r_hit buckets
@@ -355,9 +360,9 @@ def test_dead_counts_the_dead_entries_in_the_heaps():
     for step in range(1, 11):
         leaves[0].vamp_stats.touch(step)
         kept.add(leaves[0])
-    walk.close()
+    walk.close()  # it also drops the dead entries at the heaps' tops (`drop_dead_tops`)
     held = sum(len(heap) for heap in kept.groups.values())
-    assert kept.dead == held - len(kept.entries) == 1
+    assert kept.dead == held - len(kept.entries) <= 1
 
 
 def test_a_leaf_refused_at_its_turn_and_filed_again_is_not_lost_to_the_walk():

@@ -89,7 +89,9 @@ class LeafOrder:
         self.entries: dict[int, tuple[tuple[int, int, int, int], tuple, tuple, Any]] = {}
         self.dead = 0  # entries left in a heap after their node left or was re-filed
         self.deferred: list[tuple] = []  # (group key, entry) filed while a walk was open, not yet in a heap
-        self.open: weakref.WeakSet[OrderedWalk] = weakref.WeakSet()  # walks started, not closed nor dropped
+        # walks started, not closed nor dropped (a dropped walk's reference removes itself): plain weak references in
+        # a list, not a WeakSet, whose Python-level iteration and length cost more than the rest of a re-filing
+        self.walks: list[weakref.ref[OrderedWalk]] = []
         self.generation = 0  # bumped by every prepare, which moves heap entries an open walk points at
         self.never_hit: dict[int | None, set[int]] = {}  # writer class -> ids of its never-hit nodes
         self.priors: dict[int | None, float] = {}  # writer class -> its published prior at the latest walk
@@ -104,7 +106,12 @@ class LeafOrder:
     @property
     def open_walks(self) -> int:
         """Walks open now: they read the heaps by position, so what is filed meanwhile waits in `deferred`."""
-        return len(self.open)
+        return len(self.walks)
+
+    def forget(self, walk: weakref.ref[OrderedWalk]) -> None:
+        """`walk` is closed, or dropped without closing."""
+        if walk in self.walks:
+            self.walks.remove(walk)
 
     def clear(self) -> None:
         self.generation += 1  # an open walk's positions point into heaps that are gone
@@ -119,8 +126,10 @@ class LeafOrder:
         """`node` is (still) an evictable leaf: re-file it if its statistics moved. Every open walk takes it at
         its new key (a leaf the eviction's own walk freed, or one re-filed while a planner walk is paused)."""
         if self.place(node):
-            for walk in list(self.open):
-                walk.push(node)
+            for ref in list(self.walks):
+                walk = ref()
+                if walk is not None:
+                    walk.push(node)
         if not self.open_walks:
             self.tidy()
 
@@ -178,8 +187,9 @@ class LeafOrder:
         """Before a walk at step `now`: take the published priors and intervals, re-file the never-hit nodes of
         each writer class whose mode (`class_mode`) moved and the nodes no longer expected back, file the
         deferred entries, drop dead ones (at every heap's top; all of them once they outnumber the live)."""
-        moved = [cls for cls in set(priors) | set(self.priors) | set(gaps) | set(self.gaps)
-                 if class_mode(priors.get(cls), gaps.get(cls)) != class_mode(self.priors.get(cls), self.gaps.get(cls))]
+        moved = [] if priors == self.priors and gaps == self.gaps else [
+            cls for cls in set(priors) | set(self.priors) | set(gaps) | set(self.gaps)
+            if class_mode(priors.get(cls), gaps.get(cls)) != class_mode(self.priors.get(cls), self.gaps.get(cls))]
         self.generation += 1
         self.priors, self.gaps, self.now, self.rates = dict(priors), dict(gaps), max(self.now, now), {}
         for cls in moved:
@@ -193,7 +203,13 @@ class LeafOrder:
                 self.place(current[3], force=True)
         self.flush()
         self.tidy()
-        for heap in self.groups.values():  # every walk reads from the tops: drop the dead entries there, once
+        self.drop_dead_tops()
+
+    def drop_dead_tops(self) -> None:
+        """Every walk reads from the heaps' tops: drop the dead entries there, once. Also as a walk closes, so
+        the leaves an eviction took are dropped by the eviction, not by the next decision. Only between walks."""
+        entries = self.entries
+        for heap in self.groups.values():
             while heap:
                 current = entries.get(heap[0][2])
                 if current is not None and current[1] is heap[0]:
@@ -224,7 +240,8 @@ class LeafOrder:
     def bound(self, key: tuple, entry: tuple, now: float) -> tuple:
         """At most the tree's priority tuple of the node: exact expected back and for r_hit = 0,
         (1, priority, NOT_EXPECTED, p_eff) by p_eff (the node's own, a prefix of its key); with sessions
-        inside the node's (open, refs) head."""
+        inside the node's (open, refs) head. Non-decreasing in a group's heap order (by p_eff the key's tail,
+        newest first, is not: two entries of one p_eff may come in either order)."""
         rank, kind = key[0], key[1]
         priority = rank[2] if self.sessions else rank
         if kind >= EXPECTED_NEVER_HIT:
@@ -240,6 +257,11 @@ class LeafOrder:
             age = now - last if now > last else 0
             value = (1, priority, NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
         return (rank[0], rank[1], value) if self.sessions else value
+
+    def filed_key(self, key: tuple, bound: tuple, entry: tuple) -> tuple:
+        """Without sessions, the tree's priority tuple of a node filed at `entry` in group `key` whose statistics
+        still match: its `bound`, by p_eff with the tail (-created, last)."""
+        return bound + (-entry[1], entry[0]) if key[1] == P_EFF else bound
 
     def walk(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float],
              exact: Callable[[Any], tuple], admits: Callable[[Any], bool]) -> OrderedWalk:
@@ -261,7 +283,8 @@ class OrderedWalk:
         self.seen: set[int] = set()  # ids taken into `ready` (and not refused since)
         self.start()
         self.open = True
-        order.open.add(self)
+        self.ref = weakref.ref(self, order.forget)
+        order.walks.append(self.ref)
 
     def start(self) -> None:
         """The frontier at every heap's top. Again after another walk's prepare moved the entries this one
@@ -299,31 +322,45 @@ class OrderedWalk:
             if not frontier:
                 self.close()
                 raise StopIteration
-            self._pull()
+            node = self._pull()
+            if node is not None:
+                return node
 
-    def _pull(self) -> None:
-        order = self.order
-        _, key, i = heapq.heappop(self.frontier)
+    def _pull(self) -> Any:
+        """Take the frontier's head. A node filed at it whose statistics still match is at its exact key
+        (`filed_key`, no pricing): without sessions it is returned at once when that key is below every bound and
+        every key taken (None: go on)."""
+        order, frontier = self.order, self.frontier
+        bound, key, i = heapq.heappop(frontier)
         heap = order.groups[key]
         for child in (2 * i + 1, 2 * i + 2):
             if child < len(heap):
-                heapq.heappush(self.frontier, (order.bound(key, heap[child], self.now), key, child))
+                heapq.heappush(frontier, (order.bound(key, heap[child], self.now), key, child))
         entry = heap[i]
         current = order.entries.get(entry[2])
         if current is None or current[1] is not entry or entry[2] in self.seen:
-            return
+            return None
         node = current[3]
         if not self.admits(node):
-            return
+            return None
         if current[2] != order.describe(node):
             order.add(node)  # grew since filed: re-filed, and taken at its key by every open walk, this one too
-        else:
+        elif order.sessions:
             self.push(node)
+        else:
+            exact = order.filed_key(key, bound, entry)
+            self.seen.add(node.id)
+            if (not frontier or exact < frontier[0][0]) and (not self.ready or exact < self.ready[0][0]):
+                return node
+            self.pending[node.id] = exact  # not below every bound yet, or a tie the ready heap breaks by node
+            heapq.heappush(self.ready, (exact, node))
+        return None
 
     def close(self) -> None:
         """Done with the walk (also when it ran out): entries filed from now on go straight to their heaps."""
         if self.open:
             self.open = False
-            self.order.open.discard(self)
+            self.order.forget(self.ref)
             if not self.order.open_walks:
                 self.order.flush()  # what was filed during the walk, so the next one starts with it in place
+                self.order.drop_dead_tops()
