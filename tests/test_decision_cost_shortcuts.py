@@ -88,6 +88,15 @@ def test_bad_coefficients_are_refused_every_time():
         assert "snapshot.coefficients: --vamp-alpha must be in (0, 1]" in built(coefficients={"alpha": 3})
 
 
+def test_validity_is_remembered_per_value_not_per_equal_value():
+    """`_VALIDATED` keys by repr: True equals 1 and 1.0, but only the numbers are coefficients."""
+    for _ in range(2):
+        assert built(coefficients={"expand_groups": 1}) == "ok"
+        assert built(coefficients={"alpha": 1.0}) == "ok"
+        assert "snapshot.coefficients.expand_groups must be a positive integer" in built(coefficients={"expand_groups": True})
+        assert "snapshot.coefficients.alpha must be a finite number" in built(coefficients={"alpha": True})
+
+
 def sequential_evict_cost(s, c):
     """The eviction cost one block at a time, as the planner summed it before `_Totals`."""
     freed, cost = 0, 0.0
@@ -111,11 +120,17 @@ def test_eviction_costs_are_the_sequential_sums_exactly(blocks, gap, host_load, 
 
 
 def test_only_the_candidates_a_plan_reads_are_priced(monkeypatch):
-    priced = []
-    cost = planner.block_cost_s
-    monkeypatch.setattr(planner, "block_cost_s", lambda s, e, c: priced.append(e) or cost(s, e, c))
+    totals = []
+
+    class Recorded(planner._Totals):
+        def __init__(self, s, c):
+            super().__init__(s, c)
+            totals.append(self)
+
+    monkeypatch.setattr(planner, "_Totals", Recorded)
     blocks = tuple(EvictableBlock(100, 1, 10, 0.5) for _ in range(50))
     s = Snapshot(site="prefill", gap_tokens=250, free_tokens=0, evictable=blocks, offload=OFFLOAD, preempt=(),
                  retract_buffer_tokens=0, observed_hit_rate=0.5)
     p = plan(s, C)
-    assert p.costs["evict"] is not None and len(priced) == 3  # evict and combined share the first three
+    priced = len(totals[0].cost_s) - 1  # one running total per candidate priced
+    assert p.costs["evict"] is not None and len(totals) == 1 and priced == 3  # evict and combined share three

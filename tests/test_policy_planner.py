@@ -151,7 +151,7 @@ def test_each_node_is_priced_with_its_own_prior():
 
 # --- properties ----------------------------------------------------------------------------------
 blocks = st.lists(st.builds(EvictableBlock, st.integers(1, 5000), st.integers(0, 100), st.integers(0, 10**6),
-                            st.floats(0.0, 1.0)), max_size=12)
+                            st.floats(0.0, 1.0), reprefill_tokens=st.none(), host_copy=st.just(False)), max_size=12)
 victims = st.lists(st.builds(PreemptCandidate, st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 16)),
                    max_size=6)
 

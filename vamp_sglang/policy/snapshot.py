@@ -7,7 +7,7 @@ rules as one parsed from a file, and every error names the offending field by it
 at every shortfall, so it is cheap for what the integration builds: one pass over each list that only
 accepts (exact ints, float rates, bools), and the field-by-field check, which names what is wrong,
 only where that pass fails; the coefficient overrides, checked by building the VampConfig they make,
-are remembered (`_overridden`).
+are remembered (`_overridden`), and so are those that passed (`_VALIDATED`).
 
     {"site": "prefill" | "decode", "gap_tokens": int, "free_tokens": int,
      "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float,
@@ -50,7 +50,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vamp_sglang.policy.costs import COEFFICIENT_NAMES, Coefficients
 
@@ -61,8 +61,10 @@ class SnapshotError(ValueError):
     """A snapshot that breaks the format; the message names the field by its JSON path."""
 
 
-@dataclass(frozen=True)
-class EvictableBlock:
+class EvictableBlock(NamedTuple):
+    """One eviction candidate (a NamedTuple, not a frozen dataclass: a decision builds one per candidate, and a
+    frozen dataclass takes three times as long to build)."""
+
     tokens: int
     hits: int  # admitted requests that reused this node
     age_steps: int  # scheduler steps since its last use
@@ -159,7 +161,7 @@ class Snapshot:
         offload = dataclasses.asdict(self.offload)
         offload["tokens_by_groups"] = list(self.offload.tokens_by_groups)
         d = {"site": self.site, "gap_tokens": self.gap_tokens, "free_tokens": self.free_tokens,
-             "evictable": [{k: v for k, v in dataclasses.asdict(e).items()
+             "evictable": [{k: v for k, v in e._asdict().items()
                             if not (k == "reprefill_tokens" and v is None) and not (k == "host_copy" and not v)}
                            for e in self.evictable],
              "offload": offload,
@@ -182,7 +184,7 @@ _TOP_FIELDS = ("site", "gap_tokens", "free_tokens", "evictable", "offload", "pre
 
 
 def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+    return cls._fields if issubclass(cls, tuple) else tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _fields(d: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -313,6 +315,9 @@ def _rate(v: Any, path: str) -> None:
 
 
 def _validate_coefficients(overrides: Mapping[str, Any]) -> None:
+    key = _override_key(_DEFAULTS, overrides)
+    if key in _VALIDATED:
+        return  # these very values passed before
     for name, value in overrides.items():
         if name not in COEFFICIENT_NAMES:
             raise SnapshotError(f"snapshot.coefficients has unknown field {name!r}; "
@@ -325,22 +330,23 @@ def _validate_coefficients(overrides: Mapping[str, Any]) -> None:
         _overridden(_DEFAULTS, overrides)
     except ValueError as e:
         raise SnapshotError(f"snapshot.coefficients: {e}") from None
+    if len(_VALIDATED) >= _OVERRIDDEN_MAX:
+        _VALIDATED.clear()
+    _VALIDATED.add(key)
 
 
 _DEFAULTS = Coefficients()
 _ALL_NAMES = frozenset(COEFFICIENT_NAMES)
 _OVERRIDDEN: dict[tuple, Coefficients] = {}  # see _overridden
+_VALIDATED: set[tuple] = set()  # keys (`_override_key`) of overrides that passed `_validate_coefficients`
 _OVERRIDDEN_MAX = 64  # measured coefficients change every 256 steps at most; a full memo is simply emptied
 
 
 def _overridden(base: Coefficients, overrides: Mapping[str, Any]) -> Coefficients:
     """`base.with_overrides(overrides)`, remembered: building and validating the VampConfig costs more
-    than the rest of a plan, and consecutive shortfalls carry the same coefficients. The key holds
-    each value's repr, which tells 1 from 1.0 and 0.0 from -0.0 where equality would not, and `base`
-    only when some coefficient is not overridden (the integration's snapshots override them all)."""
-    key = tuple((name, repr(value)) for name, value in overrides.items())
-    if not overrides.keys() >= _ALL_NAMES:
-        key += (repr(base),)
+    than the rest of a plan, and consecutive shortfalls carry the same coefficients (`_override_key`; the
+    integration's snapshots override them all, so their key leaves `base` out)."""
+    key = _override_key(base, overrides)
     found = _OVERRIDDEN.get(key)
     if found is None:
         found = base.with_overrides(overrides)
@@ -349,3 +355,9 @@ def _overridden(base: Coefficients, overrides: Mapping[str, Any]) -> Coefficient
         _OVERRIDDEN[key] = found
     return found
 
+
+def _override_key(base: Coefficients, overrides: Mapping[str, Any]) -> tuple:
+    """What `base.with_overrides(overrides)` depends on: each value's repr (it tells 1 from 1.0 and 0.0 from
+    -0.0 where equality would not), and `base` only when some coefficient is not overridden."""
+    key = tuple((name, repr(value)) for name, value in overrides.items())
+    return key if overrides.keys() >= _ALL_NAMES else key + (repr(base),)
