@@ -70,6 +70,8 @@ def check_mirror(core: VampRustTreeCore) -> None:
         assert info.full_value_len == node.tokens == info.path_end - info.path_start, (node.id, info)
         assert info.num_children == len(node.children), (node.id, info)
         assert node.lock_ref >= 0
+        assert node.parent.children[node.child_key] is node  # the key an eviction removes it by
+        assert node.child_key == node.key.child_key_at(node.start, core.page_size)
     leaves = {n for n in nodes if not n.children and not n.lock_ref}
     assert set(core.evictable_device_leaves) == leaves
     assert sum(n.tokens for n in leaves) <= core.evictable_size()
@@ -93,13 +95,13 @@ def node_statistics(core) -> dict[tuple, tuple]:
     return out
 
 
-def replay_both(ops, pool_tokens: int, in_flight: int):
+def replay_both(ops, pool_tokens: int, in_flight: int, page_size: int = 1):
     """The same requests through VAMP's Python core and the Rust core with the mirror, in lockstep: after every
     request the same prefix hits, evicted tokens and node statistics, and the mirror equal to the Rust tree.
     Returns the tokens evicted in all, and the Rust-side cache."""
     sides = []
     for policy in ("vamp", "vamp-rust"):
-        cache, allocator, step = build(policy, pool_tokens)
+        cache, allocator, step = build(policy, pool_tokens, page_size=page_size)
         sides.append((cache, step, TreeReplay(cache, allocator), []))
     for kind, tokens, priority in ops:
         hits = []
@@ -153,6 +155,22 @@ def test_the_rust_core_evicts_as_the_python_core_does(seed, in_flight):
     evicted_tokens, cache = replay_both(workload(seed, 400), 1024, in_flight)
     assert evicted_tokens > 2000, "the pool hardly fell short: little was compared"
     assert cache.tree_core.vamp_ledger.hit_tokens > 0
+
+
+@pytest.mark.parametrize("seed,in_flight", [(5, 0), (6, 4)])
+def test_pages_of_four_tokens(seed, in_flight):
+    """SGLang's paged tree (`--page-size 4`): matches, splits and inserts on page boundaries, the mirror's child
+    keys a page wide. Requests are whole pages, as the scheduler inserts them (it caches whole pages only)."""
+    page = 4
+
+    def whole_pages(tokens):  # cut to whole pages, or padded to one
+        return (tokens + [0] * page)[:max(page, len(tokens) // page * page)]
+
+    ops = [(kind, whole_pages(tokens), priority) for kind, tokens, priority in workload(seed, 300)]
+    evicted_tokens, cache = replay_both(ops, 1024, in_flight, page_size=page)
+    assert evicted_tokens > 2000, "the pool hardly fell short: little was compared"
+    assert cache.tree_core.page_size == page
+    assert all(node.tokens % page == 0 for node in cache.tree_core.device_nodes())
 
 
 def test_on_bench_tree_the_rust_core_keeps_the_python_cores_hits():

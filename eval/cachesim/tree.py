@@ -30,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -68,16 +69,20 @@ def cache_spec(policy: str) -> tuple[str, str, type]:
     return "rust", policy, UnifiedRadixCache
 
 
-def build(policy: str, pool_tokens: int,
-          sessions: bool = False) -> tuple[UnifiedRadixCache, TokenToKVPoolAllocator, list[int]]:
+def build(policy: str, pool_tokens: int, sessions: bool = False,
+          page_size: int = 1) -> tuple[UnifiedRadixCache, TokenToKVPoolAllocator, list[int]]:
     """The cache, its allocator and the step counter VAMP's ages read (a one-element list). `sessions`:
-    SGLang's radix-native sessions on (its Python tree core; the Rust core has none)."""
+    SGLang's radix-native sessions on (its Python tree core; the Rust core has none). `page_size` above 1:
+    SGLang's paged allocator, and the tree matches and inserts whole pages (requests' lengths must be whole pages)."""
     backend, eviction, cache_class = cache_spec(policy)
-    kv = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.float16, head_num=1, head_dim=1,
+    kv = MHATokenToKVPool(size=pool_tokens, page_size=page_size, dtype=torch.float16, head_num=1, head_dim=1,
                           layer_num=1, device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(pool_tokens, page_size, torch.float16, "cpu", kv, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=eviction,
+                             page_size=page_size, tree_components=(ComponentType.FULL,), eviction_policy=eviction,
                              tree_core_backend="python" if sessions and backend == "rust" else backend,
                              enable_session_radix_cache=sessions)
     cache = cache_class(params)

@@ -176,11 +176,12 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
         return out  # nothing to take: no walk (a walk prices the leaves at its front)
     now, covered, lost = core.now_steps(), 0, LostTokens(core) if core.vamp_hybrid else None
     core.vamp_shares.refresh(core.vamp_ledger.hit_rate)  # once: the published priors hold for this step
-    prior_of = core.vamp_shares.prior
+    prior_of, node_tokens = core.vamp_shares.prior, core.node_tokens
     for node in kept_order(core):
-        tokens, stats = core.node_tokens(node), node.vamp_stats
+        tokens, stats = node_tokens(node), node.vamp_stats
         covered += tokens
-        out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), prior_of(stats.prior),
+        last = stats.last_step  # NodeStats.age_steps, inline: this runs per candidate
+        out.append(EvictableBlock(tokens, stats.hits, now - last if now > last else 0, prior_of(stats.prior),
                                   None if lost is None else lost(node),
                                   bool(node.backuped)))  # HiCache's host copy (False without)
         if covered >= need:

@@ -52,15 +52,18 @@ def refusal(params: Any) -> str | None:
 
 class MirrorNode:
     """One node of the Rust core's tree as VAMP prices it. `key` is the key of the request that last placed the
-    node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams)."""
+    node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams);
+    `child_key` is its key in its parent's `children` (kept: an eviction removes it by that key)."""
 
-    __slots__ = ("children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens", "vamp_stats")
+    __slots__ = ("child_key", "children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens",
+                 "vamp_stats")
     backuped = False  # what the planner reads of a HiCache host copy: this core runs without a host tier
 
     def __init__(self, node_id: int, parent: MirrorNode | None, key: Any, start: int, tokens: int,
                  stats: NodeStats) -> None:
         self.id, self.parent, self.key, self.start, self.tokens = node_id, parent, key, start, tokens
         self.children: dict[Any, MirrorNode] = {}
+        self.child_key: Any = None
         self.lock_ref, self.priority, self.vamp_stats = 0, 0, stats
 
     def __lt__(self, other: MirrorNode) -> bool:
@@ -142,12 +145,14 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                     moved.start += info.path_end - info.path_start
                     moved.tokens -= node.tokens
                     moved.parent = node
-                    node.children[moved.key.child_key_at(moved.start, page)] = moved
+                    moved.child_key = moved.key.child_key_at(moved.start, page)
+                    node.children[moved.child_key] = moved
                     self.vamp_priorities.pop(moved.id, None)
                     self._refile(moved)  # its touch moved its key: the kept order's bound for it must not lag
                 else:
                     self.evictable_device_leaves.discard(parent)
                 parent.children[child_key] = node
+                node.child_key = child_key
                 self.vamp_mirror[node.id] = node
                 self._refile(node)
         if touch:
@@ -236,7 +241,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.evictable_device_leaves.discard(node)
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
-        del parent.children[node.key.child_key_at(node.start, self.page_size)]
+        del parent.children[node.child_key]
         self._refile(parent)  # a parent left without children joins the open walk at its key
         return result
 
