@@ -1,7 +1,7 @@
 """`python -m eval.bench_decision [--sessions S[,S2] --turns T --gap-tokens G --repeats N --radix-sessions
 --tree-core python|rust --json OUT]`.
 
-What one VAMP decision costs at a KV shortfall, against SGLang's own eviction on the same tree.
+What one VAMP decision costs at a KV shortfall, against stock SGLang's own eviction on a tree of the same shape.
 The tree is SGLang's real `UnifiedRadixCache` over our tree core: S multi-turn sessions behind one
 shared system prompt, each turn a node (S * T nodes, S leaves), with hits and ages that differ
 from node to node. For a G-token gap it times, each at a fresh scheduler step (so no priority is
@@ -14,8 +14,9 @@ reused from an earlier measurement):
 - `decision_warm`: the same decision again at the next step with nothing in between: the CPU caches warm and
   the writes already caught up with (dead heap entries dropped, leaves re-filed), so the gap to `decision` is
   that catch-up and the walk's memory traffic (nodes, their statistics and tensors spread over the heap);
-- `sglang_evict`: `tree_cache.evict(G tokens)` alone with SGLang's own device walk (a heap over
-  every evictable leaf, as stock SGLang runs it at a shortfall; the tree's kept order set aside);
+- `sglang_evict`: `tree_cache.evict(G tokens)` alone on stock SGLang: a second tree of the same shape, built by
+  the same writes on the same core with SGLang's own cache and its default LRU order, no VAMP code in it (on the
+  Rust core its native walk; on the Python core its heap over every evictable leaf);
 - `kept_evict`: the same eviction as this tree runs it, from the order it keeps between shortfalls;
 - `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan runs.
 
@@ -25,7 +26,7 @@ session's last turn tagged with its session and every other session closed, so t
 (open, refs, the tree's priority) and evictions take the closed sessions' turns.
 
 `--tree-core rust`: the same trees with VAMP's order kept beside SGLang's Rust core (`VampRustTreeCore`,
-integration/radix_rust.py); `sglang_evict` is then the Rust core's own walk with its LRU order, SGLang's default.
+integration/radix_rust.py); `sglang_evict` is then stock SGLang's default tree, the Rust core with its LRU walk.
 
 After each eviction the evicted turns are written back, so every repeat sees the same tree.
 Prints the medians and p99s and their ratio to SGLang's eviction, as JSON too; a script, not a
@@ -48,6 +49,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 from tqdm import tqdm
 
@@ -59,9 +61,11 @@ SYSTEM_PROMPT_TOKENS = 256
 TURN_TOKENS = (16, 48)  # each turn adds this many tokens (uniform)
 
 
-def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = False, tree_core: str = "python"):
+def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = False, tree_core: str = "python",
+               vamp: bool = True):
     """The cache, its step counter, and each session's turns (to write evicted ones back). `tree_core`: VAMP's
-    order on SGLang's Python core (`VampTreeCore`) or beside its Rust core (`VampRustTreeCore`)."""
+    order on SGLang's Python core (`VampTreeCore`) or beside its Rust core (`VampRustTreeCore`). `vamp` False:
+    stock SGLang on that core with its default LRU order, the same writes (the baseline: no VAMP code at all)."""
     rng = random.Random(seed)
     system = [rng.randrange(32000) for _ in range(SYSTEM_PROMPT_TOKENS)]
     histories = [[list(system)] for _ in range(sessions)]
@@ -72,21 +76,25 @@ def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = Fals
     kv = MHATokenToKVPool(size=pool_tokens, page_size=1, dtype=torch.float16, head_num=1, head_dim=4,
                           layer_num=1, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
+    if vamp:
+        names = (radix_backend.NAME, radix_backend.RUST_NAME if tree_core == "rust" else radix_backend.NAME)
+    else:
+        names = ("lru", tree_core)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,
-                             tree_core_backend=radix_backend.RUST_NAME if tree_core == "rust" else radix_backend.NAME,
-                             enable_session_radix_cache=radix_sessions)
-    cache = radix_tree.VampUnifiedRadixCache(params)
+                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=names[0],
+                             tree_core_backend=names[1], enable_session_radix_cache=radix_sessions)
+    cache = radix_tree.VampUnifiedRadixCache(params) if vamp else UnifiedRadixCache(params)
     step = [0]
-    radix_backend.bind_step_source(cache, lambda: step[0])
-    core = radix_tree.tree_core_of(cache)
-    for t in tqdm(range(1, turns + 1), desc="building tree (turns)"):
+    if vamp:
+        radix_backend.bind_step_source(cache, lambda: step[0])
+    for t in tqdm(range(1, turns + 1), desc=f"building {'VAMP' if vamp else 'stock'} tree (turns)"):
         for history in histories:
             step[0] += 1
             write(cache, allocator, history[t])
-            if rng.random() < 0.7:  # the next turn reuses this one: count an admission through it
+            if rng.random() < 0.7 and vamp:  # the next turn reuses this one: count an admission through it
                 match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", history[t]))))
-                core.record_admission(match.last_device_node, match.device_prefix_len, len(history[t]), True)
+                radix_tree.tree_core_of(cache).record_admission(match.last_device_node, match.device_prefix_len,
+                                                                len(history[t]), True)
     if radix_sessions:
         for i, history in enumerate(histories):
             session = f"s{i}"
@@ -147,7 +155,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--radix-sessions", action="store_true", help="SGLang's radix-native sessions on, half closed")
     parser.add_argument("--tree-core", choices=("python", "rust"), default="python",
-                        help="VAMP's order on SGLang's Python core, or beside its Rust core (sglang_evict: its LRU)")
+                        help="VAMP's order on SGLang's Python core, or beside its Rust core (sglang_evict: stock SGLang on it)")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -164,34 +172,13 @@ def main() -> None:
             json.dump(results if len(results) > 1 else results[0], f, indent=2)
 
 
-def stock_evict(cache, n_tokens: int) -> None:
-    """SGLang's own device walk (its heap over every evictable leaf), this tree's kept order set aside: on the
-    Rust core, its own LRU walk (SGLang's default eviction; the mirror still sees each leaf go)."""
-    core = cache.tree_core
-    if not isinstance(core, radix_tree.VampTreeCore):
-        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
-
-        names = ("evict_device_start", "evict_device_next_node", "evict_device_end")
-        for name in names:
-            setattr(core, name, getattr(RustUnifiedTreeCore, name).__get__(core))
-        try:
-            cache.evict(EvictParams(num_tokens=n_tokens))
-        finally:
-            for name in names:
-                delattr(core, name)
-        return
-    full = core.components_by_type[ComponentType.FULL]
-    patched = {name: full.__dict__.pop(name) for name in
-               ("_evict_device_start", "_evict_device_next_node", "_evict_device_end") if name in full.__dict__}
-    try:
-        cache.evict(EvictParams(num_tokens=n_tokens))
-    finally:
-        full.__dict__.update(patched)
-
-
 def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: int,
                radix_sessions: bool = False, tree_core: str = "python") -> dict:
+    if radix_sessions and tree_core == "rust":
+        raise ValueError("--radix-sessions needs --tree-core python (SGLang's Rust core has no sessions)")
     cache, allocator, step, histories = build_tree(sessions, turns, seed, radix_sessions, tree_core)
+    stock, stock_allocator, _, stock_histories = build_tree(sessions, turns, seed, radix_sessions, tree_core,
+                                                            vamp=False)
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
@@ -203,16 +190,13 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     def kept_evict() -> None:
         cache.evict(EvictParams(num_tokens=gap_tokens))
 
-    if radix_sessions and tree_core == "rust":
-        raise ValueError("--radix-sessions needs --tree-core python (SGLang's Rust core has no sessions)")
     for _ in tqdm(range(repeats), desc=f"timing decisions ({nodes} nodes)"):
         step[0] += 1
         times["decision"].append(timed_us(lambda: actions.add(decide(cache, gap_tokens, coefficients, parts))))
         step[0] += 1
         times["decision_warm"].append(timed_us(lambda: decide(cache, gap_tokens, coefficients)))
-        step[0] += 1
-        times["sglang_evict"].append(timed_us(lambda: stock_evict(cache, gap_tokens)))
-        restore(cache, allocator, histories)
+        times["sglang_evict"].append(timed_us(lambda: stock.evict(EvictParams(num_tokens=gap_tokens))))
+        restore(stock, stock_allocator, stock_histories)
         step[0] += 1
         times["kept_evict"].append(timed_us(kept_evict))
         restore(cache, allocator, histories)
