@@ -199,6 +199,41 @@ def test_requests_in_one_step_leave_no_stale_priority():
     assert replay.evicted_tokens > 0
 
 
+@pytest.mark.parametrize("policy", ["vamp", "vamp-rust"])
+def test_a_touch_within_the_step_drops_the_memoised_priority(policy):
+    """Every node priced (memoised) at a step, then the same step inserts over them: the insert's touch, a split's
+    copy and a raised request priority must each drop the touched nodes' memo entries, or the eviction that follows
+    in the step reads stale keys. The published priors must not move meanwhile (that alone clears the memo)."""
+    cache, allocator, step = build(policy, 1 << 14)
+    replay, core = TreeReplay(cache, allocator), cache.tree_core
+    histories = [[i] * 40 + list(range(100 + i, 140 + i)) for i in range(8)]
+    for i, tokens in enumerate(histories * 3):  # the shares settle: a few more writes do not move them
+        step[0] += 1
+        replay.finish(replay.admit(tokens, len(tokens)), tokens)
+    step[0] += 50
+    # admitted now, finished steps later (as requests decode): their inserts touch nodes last used at admission;
+    # the second of two requests that branch inside one node splits it at its insert
+    turns = [histories[0] + [900] * 8, histories[1][:20] + [950] * 8, histories[1][:30] + [960] * 8,
+             histories[2] + [970] * 8, histories[3] + [7] * 6 + [2, 2]]
+    admissions = [replay.admit(tokens, len(tokens)) for tokens in turns]
+    earlier = histories[3] + [7] * 6 + [1, 1]  # in flight beside the last turn, finished first: the last one's
+    replay.finish(replay.admit(earlier, len(earlier)), earlier)  # insert splits the node this one leaves
+    step[0] += 10
+    priced, shares = core.priced_now(), core.vamp_shares
+    version = shares.refresh(core.vamp_ledger.hit_rate)
+    for node in core.device_nodes():
+        priced(node)
+    for i, (admission, tokens) in enumerate(zip(admissions, turns)):
+        finish(replay, admission, tokens, 2 if i == 3 else 0)  # one raises its path's request priority
+    assert shares.refresh(core.vamp_ledger.hit_rate) == version, "the priors moved: the memo was cleared anyway"
+    priced = core.priced_now()
+    for node in core.device_nodes():
+        stats = node.vamp_stats
+        fresh = (1, node.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
+                                                               shares.gap_steps(stats.prior)))
+        assert priced(node) == fresh, node.id
+
+
 def test_what_the_mirror_cannot_follow_is_refused_before_the_tree_is_built():
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
                              tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,

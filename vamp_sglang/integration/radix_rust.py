@@ -200,9 +200,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self._follow(self.vamp_insert.key, step.result.last_device_node, touch=True)
             if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
                 node = leaf = self.vamp_mirror[step.result.last_device_node]
-                while node.parent is not None:
+                while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
                     node.priority = max(node.priority, priority)
-                    self.vamp_priorities.pop(node.id, None)
                     node = node.parent
                 self._refile(leaf)
         return step
