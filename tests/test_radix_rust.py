@@ -234,6 +234,40 @@ def test_a_touch_within_the_step_drops_the_memoised_priority(policy):
         assert priced(node) == fresh, node.id
 
 
+@pytest.mark.parametrize("policy", ["vamp", "vamp-rust"])
+def test_a_priority_raised_while_a_walk_is_open(policy):
+    """A planner walk paused at a step; an insert ends in an unlocked leaf (its touch re-files the leaf into the
+    open walk and prices it) and only then SGLang raises the leaf's request priority. The memo and the open walk
+    must both see the raise (an adversarial review: the memo kept the old priority on both cores)."""
+    cache, allocator, step = build(policy, 1 << 14)
+    replay, core = TreeReplay(cache, allocator), cache.tree_core
+    histories = [[i] * 40 + list(range(100 + i, 140 + i)) for i in range(8)]
+    for tokens in histories * 3:
+        step[0] += 1
+        replay.finish(replay.admit(tokens, len(tokens)), tokens)
+    step[0] += 50
+    turn = histories[2] + [970] * 8  # twice, in flight together: the second insert ends in the leaf the first wrote
+    admissions = [replay.admit(turn, len(turn)) for _ in range(2)]
+    finish(replay, admissions[0], turn, 0)
+    step[0] += 1
+    shares = core.vamp_shares
+    version = shares.refresh(core.vamp_ledger.hit_rate)
+    walk = core.vamp_ordered_walk(lambda n: n in core.evictable_device_leaves)
+    taken = {next(walk).id}
+    finish(replay, admissions[1], turn, 2)
+    assert shares.refresh(core.vamp_ledger.hit_rate) == version, "the priors moved: the memo was cleared anyway"
+
+    def fresh(node):
+        stats = node.vamp_stats
+        return (1, node.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
+                                                           shares.gap_steps(stats.prior)))
+
+    priced = core.priced_now()
+    assert all(priced(node) == fresh(node) for node in core.device_nodes())
+    rest = [node for node in core.evictable_device_leaves if node.id not in taken]
+    assert [n.id for n in walk] == [n.id for n in sorted(rest, key=lambda n: (fresh(n), n))]
+
+
 def test_what_the_mirror_cannot_follow_is_refused_before_the_tree_is_built():
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1,
                              tree_components=(ComponentType.FULL,), eviction_policy=radix_backend.NAME,

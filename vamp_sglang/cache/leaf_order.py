@@ -328,8 +328,9 @@ class OrderedWalk:
 
     def _pull(self) -> Any:
         """Take the frontier's head. A node filed at it whose statistics still match is at its exact key
-        (`filed_key`, no pricing): without sessions it is returned at once when that key is below every bound and
-        every key taken (None: go on)."""
+        (`filed_key`, no pricing) when the order was last prepared for this walk's step (a walk left open while a
+        later step's walk ran prices it: that walk may have moved a leaf past its deadline); without sessions it is
+        returned at once when that key is below every bound and every key taken (None: go on)."""
         order, frontier = self.order, self.frontier
         bound, key, i = heapq.heappop(frontier)
         heap = order.groups[key]
@@ -345,7 +346,7 @@ class OrderedWalk:
             return None
         if current[2] != order.describe(node):
             order.add(node)  # grew since filed: re-filed, and taken at its key by every open walk, this one too
-        elif order.sessions:
+        elif order.sessions or self.now != order.now:  # with sessions, or a later walk filed for a later step
             self.push(node)
         else:
             exact = order.filed_key(key, bound, entry)

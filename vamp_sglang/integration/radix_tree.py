@@ -145,7 +145,8 @@ class VampStatistics:
         def priority(node: Any) -> tuple:
             current = self.vamp_priority_key is key  # else a walk left open past its step: its own step, memo aside
             value = memo.get(node.id) if current else None
-            if value is None:
+            if value is None or value[1] != node.priority:  # SGLang raises a request priority after the touch
+                # that dropped the entry, and a walk left open may have priced the node in between
                 stats = node.vamp_stats
                 value = (1, node.priority, *order.priority(stats, now, shares.prior(stats.prior),
                                                            shares.gap_steps(stats.prior)))
