@@ -77,12 +77,12 @@ def build_tree(sessions: int, turns: int, seed: int, radix_sessions: bool = Fals
                           layer_num=1, device="cpu", enable_memory_saver=False)
     allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", kv, need_sort=False)
     if vamp:
-        names = (radix_backend.NAME, radix_backend.RUST_NAME if tree_core == "rust" else radix_backend.NAME)
+        policy, core_backend = radix_backend.NAME, radix_backend.RUST_NAME if tree_core == "rust" else radix_backend.NAME
     else:
-        names = ("lru", tree_core)
+        policy, core_backend = "lru", tree_core
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=names[0],
-                             tree_core_backend=names[1], enable_session_radix_cache=radix_sessions)
+                             page_size=1, tree_components=(ComponentType.FULL,), eviction_policy=policy,
+                             tree_core_backend=core_backend, enable_session_radix_cache=radix_sessions)
     cache = radix_tree.VampUnifiedRadixCache(params) if vamp else UnifiedRadixCache(params)
     step = [0]
     if vamp:

@@ -180,8 +180,7 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     for node in kept_order(core):
         tokens, stats = node_tokens(node), node.vamp_stats
         covered += tokens
-        last = stats.last_step  # NodeStats.age_steps, inline: this runs per candidate
-        out.append(EvictableBlock(tokens, stats.hits, now - last if now > last else 0, prior_of(stats.prior),
+        out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), prior_of(stats.prior),
                                   None if lost is None else lost(node),
                                   bool(node.backuped)))  # HiCache's host copy (False without)
         if covered >= need:

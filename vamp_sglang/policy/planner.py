@@ -115,18 +115,10 @@ class _Totals:
         """The fewest leading candidates that free `need_tokens` (all of them when none do)."""
         s, c, freed, cost_s = self.s, self.c, self.freed, self.cost_s
         priced = len(freed) - 1
-        plain = s.host_load_us_per_token is None
-        alpha, tau_steps, t_prefill_s, t_sched_s = c.alpha, c.tau_steps, c.t_prefill_s, c.t_sched_s
         while freed[priced] < need_tokens and priced < len(s.evictable):
             e = s.evictable[priced]
-            tokens, hits = e.tokens, e.hits
-            if plain and e.reprefill_tokens is None:  # `block_cost_s` of a plain block, inline (the same floats)
-                cost = alpha * ((hits + e.prior_hit_rate) / (hits + 1)) / (1.0 + e.age_steps / tau_steps) * (
-                    tokens * t_prefill_s + t_sched_s)
-            else:
-                cost = block_cost_s(s, e, c)
-            freed.append(freed[priced] + tokens)
-            cost_s.append(cost_s[priced] + cost)
+            freed.append(freed[priced] + e.tokens)
+            cost_s.append(cost_s[priced] + block_cost_s(s, e, c))
             priced += 1
         return min(bisect.bisect_left(freed, need_tokens), priced)  # freed grows: every block has tokens
 
