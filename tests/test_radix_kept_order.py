@@ -380,27 +380,3 @@ def test_a_leaf_refused_at_its_turn_and_filed_again_is_not_lost_to_the_walk():
     live.add(3)
     kept.add(leaves[3])  # unlocked
     assert sorted(n.id for n in walk) == [2, 3]
-
-
-def test_a_walk_left_open_past_its_step_prices_what_a_later_walk_refiled():
-    """Walk A opens at step 200 and pauses; walk B runs at step 300 and moves a leaf whose expected-back deadline
-    (250) fell between them to the p_eff groups. A, which the tree prices at its own step, must still take that
-    leaf as expected back (found by an adversarial review: A took it at B's filing, too early)."""
-    c = CostOrder(Coefficients())
-    priors = {cls: 0.0 for cls in (None, *range(CLASSES))}
-    leaves = [_Node(0, NodeStats(100, 1, 0, None), 0),  # hit once, interval 100: expected back until 250
-              _Node(1, NodeStats(40, 4, 0, None), 0),  # its deadline (55) long past: by p_eff
-              _Node(2, NodeStats(10, 0, 0, 0.9), 0)]  # never hit, class prior 0: first
-    kept = LeafOrder(c.coefficients.alpha, c.coefficients.tau_steps, _describe)
-    for leaf in leaves:
-        kept.add(leaf)
-
-    def exact_at(step):
-        return lambda n: (1, n.priority, *c.priority(n.vamp_stats, step, priors[writer_class(n.vamp_stats.prior)]))
-
-    first = kept.walk(200, dict(priors), {}, exact_at(200), lambda n: True)
-    got = [next(first).id]
-    list(kept.walk(300, dict(priors), {}, exact_at(300), lambda n: True))
-    got += [n.id for n in first]
-    assert got == [n.id for n in sorted(leaves, key=lambda n: (exact_at(200)(n), n))] == [2, 1, 0]
-

@@ -8,7 +8,7 @@ from tests.test_radix_kept_order import _Node
 from tests.test_radix_refile_paths import _FreshView, _Tree
 from tests.test_radix_tree_state import sglang_context  # noqa: F401
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, estimate
-from vamp_sglang.cache.reuse_share import writer_class
+from vamp_sglang.cache.reuse_share import CLASSES, writer_class
 from vamp_sglang.integration import radix_eviction
 from vamp_sglang.integration.radix_tree import _describe
 from vamp_sglang.policy import Coefficients
@@ -158,3 +158,26 @@ def test_a_paused_planner_walk_does_not_yield_a_leaf_locked_meanwhile():
     assert target.id not in rest and first.id not in rest
     t.cache.unlock(lock)
     t.check()
+
+
+def test_a_walk_left_open_past_its_step_prices_what_a_later_walk_refiled():
+    """Walk A opens at step 200 and pauses; walk B runs at step 300 and moves a leaf whose expected-back deadline
+    (250) fell between them to the p_eff groups. A, which the tree prices at its own step, must still take that
+    leaf as expected back (found by an adversarial review: A took it at B's filing, too early)."""
+    c = CostOrder(Coefficients())
+    priors = {cls: 0.0 for cls in (None, *range(CLASSES))}
+    leaves = [_Node(0, NodeStats(100, 1, 0, None), 0),  # hit once, interval 100: expected back until 250
+              _Node(1, NodeStats(40, 4, 0, None), 0),  # its deadline (55) long past: by p_eff
+              _Node(2, NodeStats(10, 0, 0, 0.9), 0)]  # never hit, class prior 0: first
+    kept = LeafOrder(c.coefficients.alpha, c.coefficients.tau_steps, _describe)
+    for leaf in leaves:
+        kept.add(leaf)
+
+    def exact_at(step):
+        return lambda n: (1, n.priority, *c.priority(n.vamp_stats, step, priors[writer_class(n.vamp_stats.prior)]))
+
+    first = kept.walk(200, dict(priors), {}, exact_at(200), lambda n: True)
+    got = [next(first).id]
+    list(kept.walk(300, dict(priors), {}, exact_at(300), lambda n: True))
+    got += [n.id for n in first]
+    assert got == [n.id for n in sorted(leaves, key=lambda n: (exact_at(200)(n), n))] == [2, 1, 0]
