@@ -11,15 +11,19 @@ p_eff = alpha * r_hit / (1 + age / tau) decays hyperbolically, and two nodes' p_
 later step. What is invariant: r_hit = (hits + prior) / (hits + 1) is the same for every node with the
 same hits and writer class (its prior is the class's published one), and for those nodes p_eff at any
 step is non-decreasing in the last-use step. So those leaves are kept in groups by (request priority,
-writer class, hits), each a heap by (last_step, created_step, id), plus one group for r_hit = 0 (never
+writer class, hits), each a heap by (last_step, -created_step, id), plus one group for r_hit = 0 (never
 hit, class prior 0), newest first. A group's bound for an entry is its p_eff computed when the walk
 runs, with the class's prior at that step: the same float expression as Eq. 1, so equal to the node's,
-and non-decreasing in the group's order. A walk enumerates the groups' entries in order of these bounds
-through one frontier heap and moves them into an exact heap keyed by the tree's real priority tuple; it
-yields the exact heap's head only once that head is below every bound not yet taken. Since each bound is
-at most its node's real key, the order is the full re-sort's exactly (`tests/test_radix_kept_order.py`
-checks it against SGLang's heap on random operation sequences), at the cost of the nodes whose p_eff
-ties the last one evicted, not of every leaf.
+and non-decreasing in the group's order; where p_eff rises strictly with the last use (`_tail_holds`) the
+bound is the node's whole key (p_eff, -created, last), still non-decreasing in that heap order, so leaves
+last used in one step (a batch finishing together) do not tie. A walk enumerates the groups' entries in order
+of these bounds through one frontier heap and moves them into an exact heap keyed by the tree's real priority
+tuple; it yields the exact heap's head only once that head is below every bound not yet taken. Since each
+bound is at most its node's real key, the order is the full re-sort's exactly (`tests/test_radix_kept_order.py`
+checks it against SGLang's heap on random operation sequences), at the cost of the nodes whose key ties the
+last one evicted, not of every leaf. Where the tree breaks ties by node id (`ties_by_id`: the Rust core's
+mirror), whole-key bounds and the exact keys end with the id, and nothing ties
+(`tests/test_radix_tied_leaves.py`).
 
 With SGLang's radix-native sessions (`--enable-session-radix-cache`) SGLang orders leaves by (held by an open
 session, how many, the tree's priority): the rank of every group is then (open, refs, request priority) instead
@@ -58,6 +62,9 @@ from vamp_sglang.cache.reuse_share import writer_class
 ZERO, P_EFF, EXPECTED_NEVER_HIT, EXPECTED_HIT = 0, 1, 2, 3  # kinds: r_hit = 0 (exact), by p_eff, expected back
 assert EXPECTED_MIN_REUSE <= 0.5, "a hit node's r_hit >= 1/2 must be expected back whatever its class prior"
 
+# below this many steps (tau, and the step a walk runs at) p_eff falls strictly with every step of age (`_tail_holds`)
+TAIL_STEPS = 2.0 ** 40
+
 # (rank, hits, last step, created step, writer's hit rate or None) of a node
 Describe = Callable[[Any], tuple[int, int, int, int, "float | None"]]
 
@@ -77,13 +84,17 @@ def class_mode(prior: float | None, gap_steps: float | None) -> object:
 class LeafOrder:
     """The evictable leaves of one tree, in groups as the module says; updated as leaves come and go."""
 
-    def __init__(self, alpha: float, tau_steps: float, describe: Describe, sessions: bool = False) -> None:
+    def __init__(self, alpha: float, tau_steps: float, describe: Describe, sessions: bool = False,
+                 ties_by_id: bool = False) -> None:
         self.alpha, self.tau_steps, self.describe = alpha, tau_steps, describe
+        # the tree breaks ties between equal keys by node id (the Rust core's mirror; SGLang's Python nodes break
+        # them by their last access, which the order does not follow): a bound that is a whole key ends with the id
+        self.ties_by_id = ties_by_id
         # sessions: a leaf's rank is (held by an open session, open sessions holding it, request priority), the
         # head of SGLang's session-ref key (ref > 0, ref, the tree's priority) wrapped around the tree's priority
         self.sessions = sessions
         self.groups: dict[tuple, list[tuple]] = {}  # group key -> heap of entries
-        # id -> (group key, heap entry, described, node); heap entries are (last, created, id) ((-created, last, id)
+        # id -> (group key, heap entry, described, node); heap entries are (last, -created, id) ((-created, last, id)
         # for r_hit = 0, (-T, -created, id) expected back) and never hold the node, so a node SGLang drops
         # is freed then, not when a later walk pops its dead entry
         self.entries: dict[int, tuple[tuple[int, int, int, int], tuple, tuple, Any]] = {}
@@ -96,7 +107,7 @@ class LeafOrder:
         self.never_hit: dict[int | None, set[int]] = {}  # writer class -> ids of its never-hit nodes
         self.priors: dict[int | None, float] = {}  # writer class -> its published prior at the latest walk
         self.gaps: dict[int | None, float] = {}  # writer class -> its published steps to a first hit
-        self.rates: dict[tuple, float] = {}  # P_EFF group key -> its r_hit at those priors
+        self.rates: dict[tuple, tuple[float, bool]] = {}  # P_EFF group key -> its r_hit at those priors, tail holds
         self.deadlines: list[tuple[float, tuple]] = []  # heap of (expected back until, entry)
         self.now = 0  # the latest step a walk ran at: a node filed later is expected back only if still due
 
@@ -149,7 +160,7 @@ class LeafOrder:
             self.never_hit.setdefault(cls, set()).add(node.id)
         rho = self.priors.get(cls)
         r_hit = (hits + (rho or 0.0)) / (hits + 1)
-        key, entry = (rank, P_EFF, -1 if cls is None else cls, hits), (last, created, node.id)
+        key, entry = (rank, P_EFF, -1 if cls is None else cls, hits), (last, -created, node.id)
         gap = reuse_interval_steps(node.vamp_stats, r_hit, self.gaps.get(cls))
         if gap is not None and (until := expected_back_until(node.vamp_stats, gap)) >= self.now:
             key, entry = (rank, EXPECTED_HIT if hits else EXPECTED_NEVER_HIT, 0, 0), (-(last + gap), -created, node.id)
@@ -238,10 +249,10 @@ class LeafOrder:
             heapq.heapify(self.deadlines)
 
     def bound(self, key: tuple, entry: tuple, now: float) -> tuple:
-        """At most the tree's priority tuple of the node: exact expected back and for r_hit = 0,
-        (1, priority, NOT_EXPECTED, p_eff) by p_eff (the node's own, a prefix of its key); with sessions
-        inside the node's (open, refs) head. Non-decreasing in a group's heap order (by p_eff the key's tail,
-        newest first, is not: two entries of one p_eff may come in either order)."""
+        """At most the tree's priority tuple of the node, and non-decreasing in a group's heap order: the whole key
+        (then with the id where ties break by it: `ties_by_id`) expected back, for r_hit = 0, and by p_eff where
+        p_eff falls strictly with age (`_tail_holds`); else (1, priority, NOT_EXPECTED, p_eff), its prefix. With
+        sessions inside the node's (open, refs) head."""
         rank, kind = key[0], key[1]
         priority = rank[2] if self.sessions else rank
         if kind >= EXPECTED_NEVER_HIT:
@@ -249,19 +260,37 @@ class LeafOrder:
         elif kind == ZERO:
             value = (1, priority, NOT_EXPECTED, 0.0, entry[0], entry[1])
         else:
-            r_hit = self.rates.get(key)
-            if r_hit is None:
+            rate = self.rates.get(key)
+            if rate is None:
                 hits = key[3]
-                r_hit = self.rates[key] = (hits + self.priors.get(None if key[2] < 0 else key[2], 0.0)) / (hits + 1)
+                r_hit = (hits + self.priors.get(None if key[2] < 0 else key[2], 0.0)) / (hits + 1)
+                rate = self.rates[key] = (r_hit, self._tail_holds(r_hit))
+            r_hit, tail = rate
             last = entry[0]
             age = now - last if now > last else 0
             value = (1, priority, NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
-        return (rank[0], rank[1], value) if self.sessions else value
+            if not (tail and age and now < TAIL_STEPS):  # age 0 prices every later use alike: a prefix is below them
+                return (rank[0], rank[1], value) if self.sessions else value
+            value += (entry[1], last)
+        if self.sessions:
+            return (rank[0], rank[1], value)
+        return (*value, entry[2]) if self.ties_by_id else value
+
+    def _tail_holds(self, r_hit: float) -> bool:
+        """Within a group by p_eff the heap order is (last, -created): the key's tail (-created, last) is
+        non-decreasing in it only if p_eff rises strictly with the last use. It does while the ages' steps stay
+        far above float rounding (tau and the step below `TAIL_STEPS`, tau above its inverse: 1 + age / tau then moves
+        by more than 2^-41 of itself per step, where the division rounds to 2^-53) and p_eff is far from underflow."""
+        return r_hit * self.alpha > 2.0 ** -500 and 1.0 / TAIL_STEPS < self.tau_steps < TAIL_STEPS
 
     def filed_key(self, key: tuple, bound: tuple, entry: tuple) -> tuple:
-        """Without sessions, the tree's priority tuple of a node filed at `entry` in group `key` whose statistics
-        still match: its `bound`, by p_eff with the tail (-created, last)."""
-        return bound + (-entry[1], entry[0]) if key[1] == P_EFF else bound
+        """Without sessions, the key a walk orders a node filed at `entry` in group `key` by, if its statistics
+        still match: the tree's priority tuple (its `bound` where that is the whole key, else the bound with the
+        tail (-created, last)), then with `ties_by_id` the id."""
+        if len(bound) == 4:
+            bound += (entry[1], entry[0])
+            return (*bound, entry[2]) if self.ties_by_id else bound
+        return bound
 
     def walk(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float],
              exact: Callable[[Any], tuple], admits: Callable[[Any], bool]) -> OrderedWalk:
@@ -277,6 +306,11 @@ class OrderedWalk:
 
     def __init__(self, order: LeafOrder, now: float, exact: Callable[[Any], tuple],
                  admits: Callable[[Any], bool]) -> None:
+        if order.ties_by_id:  # the key ready leaves and bounds compare by, as the tree's ties break
+            priced = exact
+
+            def exact(node: Any) -> tuple:
+                return (*priced(node), node.id)
         self.order, self.now, self.exact, self.admits = order, now, exact, admits
         self.ready: list[tuple[tuple, Any]] = []  # (exact key, node), as SGLang's eviction heap holds them
         self.pending: dict[int, tuple] = {}  # id -> the key it waits in `ready` with (an older entry is stale)
