@@ -18,7 +18,9 @@ reused from an earlier measurement):
   the same writes on the same core with SGLang's own cache and its default LRU order, no VAMP code in it (on the
   Rust core its native walk; on the Python core its heap over every evictable leaf);
 - `kept_evict`: the same eviction as this tree runs it, from the order it keeps between shortfalls;
-- `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan runs.
+- `decision_then_evict`: the decision followed by that eviction, which is what an "evict" plan runs;
+- `evict_after_decision`: its eviction part alone (on the Rust core it takes the decision's victims without
+  walking the order again: radix_rust.py's `hand_over`).
 
 The default reports two trees: 500 sessions (10,006 nodes) and 5,000 (100,006 nodes, fewer repeats).
 `--radix-sessions`: the same trees under SGLang's radix-native sessions (`--enable-session-radix-cache`), every
@@ -182,7 +184,7 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
     core = radix_tree.tree_core_of(cache)
     nodes, leaves = len(core.device_nodes()), len(core.evictable_device_leaves)
     coefficients = Coefficients(t_prefill_s=160e-6)
-    names = ("decision", "decision_warm", "sglang_evict", "kept_evict", "decision_then_evict")
+    names = ("decision", "decision_warm", "sglang_evict", "kept_evict", "decision_then_evict", "evict_after_decision")
     times: dict[str, list[float]] = {name: [] for name in names}
     parts: dict[str, list[float]] = {name: [] for name in ("candidates", "snapshot", "plan")}
     actions = set()
@@ -201,8 +203,13 @@ def bench_tree(sessions: int, turns: int, gap_tokens: int, repeats: int, seed: i
         times["kept_evict"].append(timed_us(kept_evict))
         restore(cache, allocator, histories)
         step[0] += 1
-        times["decision_then_evict"].append(timed_us(lambda: (decide(cache, gap_tokens, coefficients),
-                                                             kept_evict())))
+        start = time.perf_counter_ns()
+        decide(cache, gap_tokens, coefficients)
+        decided = time.perf_counter_ns()
+        kept_evict()
+        end = time.perf_counter_ns()
+        times["decision_then_evict"].append((end - start) / 1e3)
+        times["evict_after_decision"].append((end - decided) / 1e3)
         restore(cache, allocator, histories)
     stats = {name: summary(samples) for name, samples in times.items()}
     base = stats["sglang_evict"]["median"]

@@ -95,14 +95,20 @@ def node_statistics(core) -> dict[tuple, tuple]:
     return out
 
 
-def replay_both(ops, pool_tokens: int, in_flight: int, page_size: int = 1):
+def replay_both(ops, pool_tokens: int, in_flight: int, page_size: int = 1, decide_first: bool = False):
     """The same requests through VAMP's Python core and the Rust core with the mirror, in lockstep: after every
     request the same prefix hits, evicted tokens and node statistics, and the mirror equal to the Rust tree.
+    `decide_first`: every eviction follows a decision's read-only walk, as at a server's shortfall.
     Returns the tokens evicted in all, and the Rust-side cache."""
     sides = []
     for policy in ("vamp", "vamp-rust"):
         cache, allocator, step = build(policy, pool_tokens, page_size=page_size)
-        sides.append((cache, step, TreeReplay(cache, allocator), []))
+
+        def call(op, fn, *args, cache=cache):
+            if op == "evict" and decide_first:
+                radix_eviction.eviction_candidates(cache, args[0].num_tokens, 0, 1, 4)
+            return fn(*args)
+        sides.append((cache, step, TreeReplay(cache, allocator, call), []))
     for kind, tokens, priority in ops:
         hits = []
         for cache, step, replay, running in sides:

@@ -177,14 +177,18 @@ def eviction_candidates(tree_cache: Any, gap_tokens: int, free_tokens: int, runn
     now, covered, lost = core.now_steps(), 0, LostTokens(core) if core.vamp_hybrid else None
     core.vamp_shares.refresh(core.vamp_ledger.hit_rate)  # once: the published priors hold for this step
     prior_of, node_tokens = core.vamp_shares.prior, core.node_tokens
+    nodes = []
     for node in kept_order(core):
         tokens, stats = node_tokens(node), node.vamp_stats
         covered += tokens
+        nodes.append(node)
         out.append(EvictableBlock(tokens, stats.hits, stats.age_steps(now), prior_of(stats.prior),
                                   None if lost is None else lost(node),
                                   bool(node.backuped)))  # HiCache's host copy (False without)
         if covered >= need:
             break
+    if hand_over := getattr(core, "hand_over", None):  # the Rust core's mirror: the eviction that follows takes them
+        hand_over(nodes)
     return out
 
 

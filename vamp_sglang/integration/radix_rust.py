@@ -84,10 +84,13 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         super().__init__(dataclasses.replace(params, eviction_policy="lru", eviction_policy_config=None))
         self.vamp_hybrid = False
         c = order.coefficients
-        self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe)
+        self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe, ties_by_id=True)  # MirrorNode.__lt__
         self.vamp_mirror: dict[int, MirrorNode] = {}
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
+        # (changes, priority key, nodes) of the latest decision's read-only walk: the eviction that follows it
+        # takes those nodes while both still hold (`evict_device_start`)
+        self.vamp_victims: tuple[int, Any, list[MirrorNode]] | None = None
         self.vamp_insert: Any = None  # the InsertParams of the insert SGLang runs now (it may take several steps)
 
     # --- the mirror -------------------------------------------------------------------------------
@@ -96,6 +99,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if hasattr(self, "vamp_mirror"):  # RustUnifiedTreeCore.__init__ does not reset; a later reset clears
             self.vamp_mirror.clear()
             self.evictable_device_leaves.clear()
+            self.vamp_changes += 1
 
     def vamp_node(self, node_id: int) -> MirrorNode:
         return self.vamp_mirror[node_id]
@@ -165,7 +169,9 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self._refile(leaf)
 
     def _refile(self, node: MirrorNode) -> None:
-        """Put `node` in the evictable leaves (re-filed at its statistics) or take it out."""
+        """Put `node` in the evictable leaves (re-filed at its statistics) or take it out. Every change to the
+        mirror ends here (a new node, a split, a touch, a lock, a priority, an eviction): it is counted."""
+        self.vamp_changes += 1
         if node.parent is not None and not node.children and not node.lock_ref:
             self.evictable_device_leaves.add(node)
         else:
@@ -217,9 +223,19 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return result
 
     # --- eviction in VAMP's order -----------------------------------------------------------------
+    def hand_over(self, nodes: list[MirrorNode]) -> None:
+        """A decision's read-only walk took `nodes`, in order, at this step and published priors: the next
+        eviction takes them without walking again, unless the mirror changes first."""
+        self.vamp_victims = (self.vamp_changes, self.vamp_priority_key, nodes)
+
     def evict_device_start(self, component_type: ComponentType, request_cnt: int) -> None:
         self.vamp_evict_request_tokens = request_cnt
-        self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
+        victims, self.vamp_victims = self.vamp_victims, None
+        self.priced_now()  # the step and published priors, as a walk would price them
+        if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
+            self.vamp_walk = _HandedOver(self, victims[2])
+        else:
+            self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
 
     def evict_device_next_node(self, component_type: ComponentType, tracker: dict) -> EvictDeviceNextNodeResult:
         if tracker[_FULL] >= self.vamp_evict_request_tokens:
@@ -241,8 +257,63 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
         del parent.children[node.child_key]
-        self._refile(parent)  # a parent left without children joins the open walk at its key
+        if type(self.vamp_walk) is _HandedOver:
+            self.vamp_walk.freed(parent)
+        else:
+            self._refile(parent)  # a parent left without children joins the open walk at its key
         return result
 
     def vamp_priority(self, node: MirrorNode) -> tuple:
         return self.priced_now()(node)
+
+
+class _HandedOver:
+    """The eviction's victims: a decision's nodes first, each still an evictable leaf (nothing changed since the
+    decision: `vamp_changes`), then, if the eviction asks for more than the decision covered, a walk of the kept
+    order from what is left (the nodes taken are gone, the parents they freed filed: it goes on exactly).
+
+    A parent an eviction frees joins the leaf set at once but the kept order only when the victims run out or
+    the eviction ends (SGLang ends it in a `finally`): most are the decision's next victims, and filing them
+    was a third of the bookkeeping an evicted node cost."""
+
+    def __init__(self, core: VampRustTreeCore, nodes: list[MirrorNode]) -> None:
+        self.core, self.nodes, self.walk = core, iter(nodes), None
+        self.unfiled: list[MirrorNode] = []  # parents freed, in the leaf set, not yet in the kept order
+
+    def freed(self, parent: MirrorNode) -> None:
+        """`parent` lost its last child to this eviction (`VampRustTreeCore._refile`, its filing deferred while
+        the decision's victims last; once the walk runs, it joins the walk at once)."""
+        core = self.core
+        if self.walk is not None:
+            core._refile(parent)
+            return
+        core.vamp_changes += 1
+        if parent.parent is not None and not parent.children and not parent.lock_ref:
+            core.evictable_device_leaves.add_unfiled(parent)
+            self.unfiled.append(parent)
+
+    def file(self) -> None:
+        leaves, order = self.core.evictable_device_leaves, self.core.vamp_leaf_order
+        for node in self.unfiled:
+            if node in leaves:
+                order.add(node)
+        self.unfiled = []
+
+    def __iter__(self) -> _HandedOver:
+        return self
+
+    def __next__(self) -> MirrorNode:
+        core = self.core
+        if self.walk is None:
+            node = next(self.nodes, None)
+            if node is not None and node in core.evictable_device_leaves:
+                return node
+            self.nodes = iter(())  # the decision's walk ended, or (never seen) its node is no leaf: walk instead
+            self.file()
+            self.walk = core.vamp_ordered_walk(core.evictable_device_leaves.__contains__)
+        return next(self.walk)
+
+    def close(self) -> None:
+        self.file()
+        if self.walk is not None:
+            self.walk.close()

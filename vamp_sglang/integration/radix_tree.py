@@ -96,6 +96,7 @@ class VampStatistics:
         self.vamp_walk: OrderedWalk | None = None  # the eviction SGLang is running, if any
         self.vamp_sessions = False  # SGLang's radix-native sessions order the leaves first
         self.vamp_restored_tokens = 0  # device KV an insert gave back to host-only (HiCache) nodes, in all
+        self.vamp_changes = 0  # changes to the tree or its statistics seen (the Rust core's mirror counts them)
 
     def now_steps(self) -> int:
         return int(self.vamp_step_fn())
@@ -118,6 +119,7 @@ class VampStatistics:
         `first`: its first admission (a retracted request's return or a later chunk is no new hit)."""
         now = self.now_steps()
         node = self.vamp_node(node_id)
+        self.vamp_changes += 1
         while node is not None and node.parent is not None:  # the root has no statistics that count
             if first and not node.vamp_stats.hits:
                 self.vamp_shares.reused(node.vamp_stats.prior, self.node_tokens(node),
@@ -359,6 +361,10 @@ class _WatchedLeaves(set):
     def discard(self, node: UnifiedTreeNode) -> None:
         super().discard(node)
         self.order.discard(node)
+
+    def add_unfiled(self, node: Any) -> None:
+        """A leaf whose filing in the kept order its caller does later (radix_rust.py's `_HandedOver`)."""
+        super().add(node)
 
     def remove(self, node: UnifiedTreeNode) -> None:
         super().remove(node)
