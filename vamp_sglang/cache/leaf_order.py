@@ -287,10 +287,9 @@ class LeafOrder:
         """Without sessions, the key a walk orders a node filed at `entry` in group `key` by, if its statistics
         still match: the tree's priority tuple (its `bound` where that is the whole key, else the bound with the
         tail (-created, last)), then with `ties_by_id` the id."""
-        if len(bound) == 4:
-            bound += (entry[1], entry[0])
-            return (*bound, entry[2]) if self.ties_by_id else bound
-        return bound
+        if len(bound) > 4:
+            return bound
+        return (*bound, entry[1], entry[0], entry[2]) if self.ties_by_id else (*bound, entry[1], entry[0])
 
     def walk(self, now: float, priors: dict[int | None, float], gaps: dict[int | None, float],
              exact: Callable[[Any], tuple], admits: Callable[[Any], bool]) -> OrderedWalk:

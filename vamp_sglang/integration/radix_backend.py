@@ -71,6 +71,8 @@ def radix_stats(tree_cache: Any) -> dict[str, Any]:
         "evicted_tokens": core.vamp_evicted_tokens,
         "reuse_by_writer_hit_rate": core.vamp_shares.snapshot(),  # the r_hit priors of Eq. 1, by writer class
     }
+    if lost := getattr(core, "vamp_lost", None):  # the Rust core's mirror failed: SGLang's own order evicts
+        out["mirror_lost"] = lost
     if getattr(core, "enable_session_radix_cache", False):  # what open sessions hold; the rest goes first
         out["open_session_tokens"] = sum(core.node_tokens(n) for n in nodes
                                          if n.component_data[_FULL].session_ref > 0)

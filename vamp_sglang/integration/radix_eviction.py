@@ -138,7 +138,12 @@ class _MirrorView:
 
 
 def _view(core: VampStatistics) -> _DeviceTreeView | _MirrorView:
-    return _DeviceTreeView(core) if isinstance(core, VampTreeCore) else _MirrorView(core)
+    if isinstance(core, VampTreeCore):
+        return _DeviceTreeView(core)
+    if core.vamp_lost:
+        raise RuntimeError(f"VAMP's order on SGLang's Rust tree core ended ({core.vamp_lost}): SGLang's own "
+                           "eviction decides")
+    return _MirrorView(core)
 
 
 def kept_order(core: VampStatistics) -> Iterator[Any]:

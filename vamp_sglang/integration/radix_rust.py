@@ -23,6 +23,7 @@ lock. Plain trees only: sessions, HiCache and hybrid states need the Python core
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
@@ -34,6 +35,7 @@ from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats
 from vamp_sglang.integration.radix_tree import VampStatistics, _describe, _WatchedLeaves
 
 _FULL = ComponentType.FULL
+logger = logging.getLogger(__name__)
 
 
 def refusal(params: Any) -> str | None:
@@ -92,6 +94,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         # takes those nodes while both still hold (`evict_device_start`)
         self.vamp_victims: tuple[int, Any, list[MirrorNode]] | None = None
         self.vamp_insert: Any = None  # the InsertParams of the insert SGLang runs now (it may take several steps)
+        self.vamp_lost: str | None = None  # why the mirror stopped following the Rust core (`_lose`); None: it follows
+        self.vamp_evicting = False  # the eviction SGLang runs now is in VAMP's order (else the Rust core's own)
 
     # --- the mirror -------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -143,6 +147,9 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                                   NodeStats(now, prior=self.vamp_write_prior))
                 moved = parent.children.get(child_key)
                 if moved is not None:  # a split: the old id keeps the suffix, one level down
+                    if moved.tokens <= node.tokens:
+                        raise RuntimeError(f"node {info.node_id} splits node {moved.id} of {moved.tokens} tokens at "
+                                           f"{node.tokens}")
                     if touch:
                         moved.vamp_stats.touch(now)
                     node.vamp_stats, node.lock_ref, node.priority = moved.vamp_stats.copy(), moved.lock_ref, moved.priority
@@ -186,11 +193,26 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if anchor is not None:
             self._refile(anchor)
 
+    def _lose(self, error: Exception) -> None:
+        """The mirror failed to follow the Rust core (a defect of ours: an error, or a node that freed other than
+        the mirror held). It cannot be rebuilt (the Rust core lists no nodes), so VAMP's order ends on this tree:
+        the Rust core's own LRU order, kept all along, evicts from now on, and every decision falls back to
+        SGLang's eviction (`eviction_candidates` raises). Logged once; `/vamp/stats` radix reports it."""
+        self.vamp_lost = f"{type(error).__name__}: {error}"
+        logger.error("vamp: the mirror of SGLang's Rust tree stopped following it (%s); SGLang's own eviction "
+                     "order (LRU) runs this tree from now on", self.vamp_lost, exc_info=error)
+        self.vamp_mirror.clear()
+        self.evictable_device_leaves.clear()
+        self.vamp_victims = None
+
     # --- SGLang's tree operations, followed ------------------------------------------------------
     def match_prefix(self, params: Any) -> Any:
         result = super().match_prefix(params)
-        if result.last_device_node not in self.vamp_mirror:
-            self._follow(params.key, result.last_device_node, touch=False)
+        if self.vamp_lost is None and result.last_device_node not in self.vamp_mirror:
+            try:
+                self._follow(params.key, result.last_device_node, touch=False)
+            except Exception as error:  # noqa: BLE001 - the Rust core matched: SGLang goes on without the mirror
+                self._lose(error)
         return result
 
     def begin_insert(self, params: Any) -> Any:
@@ -202,25 +224,44 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     def _followed_insert(self, step: Any) -> Any:
         """The insert's last step (its result) followed: its path, touched, and its request priority."""
-        if step.result is not None and step.result.last_device_node is not None:
-            self._follow(self.vamp_insert.key, step.result.last_device_node, touch=True)
-            if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
-                node = leaf = self.vamp_mirror[step.result.last_device_node]
-                while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
-                    node.priority = max(node.priority, priority)
-                    node = node.parent
-                self._refile(leaf)
+        if self.vamp_lost is None and step.result is not None and step.result.last_device_node is not None:
+            try:
+                self._follow(self.vamp_insert.key, step.result.last_device_node, touch=True)
+                if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
+                    node = leaf = self.vamp_mirror[step.result.last_device_node]
+                    while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
+                        node.priority = max(node.priority, priority)
+                        node = node.parent
+                    self._refile(leaf)
+            except Exception as error:  # noqa: BLE001
+                self._lose(error)
         return step
 
     def inc_lock_ref(self, node_id: Any, skip_lock_components: Any = ()) -> Any:
         result = super().inc_lock_ref(node_id, skip_lock_components)
-        self._lock_path(node_id, 1)
+        self._locked(node_id, 1)
         return result
 
     def dec_lock_ref(self, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
         result = super().dec_lock_ref(node_id, params, skip_swa)
-        self._lock_path(node_id, -1)
+        self._locked(node_id, -1)
         return result
+
+    def _locked(self, node_id: Any, delta: int) -> None:
+        if self.vamp_lost is None:
+            try:
+                self._lock_path(node_id, delta)
+            except Exception as error:  # noqa: BLE001
+                self._lose(error)
+
+    def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
+        if self.vamp_lost is None:
+            try:
+                return super().record_admission(node_id, hit_tokens, requested_tokens, first)
+            except Exception as error:  # noqa: BLE001 - admission is SGLang's; the hit-rate ledger still counts it
+                self._lose(error)
+        if first:
+            self.vamp_ledger.record(hit_tokens, requested_tokens)
 
     # --- eviction in VAMP's order -----------------------------------------------------------------
     def hand_over(self, nodes: list[MirrorNode]) -> None:
@@ -229,7 +270,9 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_victims = (self.vamp_changes, self.vamp_priority_key, nodes)
 
     def evict_device_start(self, component_type: ComponentType, request_cnt: int) -> None:
-        self.vamp_evict_request_tokens = request_cnt
+        self.vamp_evict_request_tokens, self.vamp_evicting = request_cnt, self.vamp_lost is None
+        if not self.vamp_evicting:
+            return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
         self.priced_now()  # the step and published priors, as a walk would price them
         if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
@@ -238,6 +281,12 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
 
     def evict_device_next_node(self, component_type: ComponentType, tracker: dict) -> EvictDeviceNextNodeResult:
+        if self.vamp_evicting and self.vamp_lost is not None:  # lost within this eviction: the Rust core finishes it
+            self._close_walk()
+            self.vamp_evicting = False
+            super().evict_device_start(component_type, self.vamp_evict_request_tokens)
+        if not self.vamp_evicting:
+            return super().evict_device_next_node(component_type, tracker)
         if tracker[_FULL] >= self.vamp_evict_request_tokens:
             return EvictDeviceNextNodeResult()
         node = next(self.vamp_walk, None)
@@ -246,13 +295,29 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return EvictDeviceNextNodeResult(node_id=node.id, made_progress=True)
 
     def evict_device_end(self, component_type: ComponentType) -> None:
+        if self.vamp_evicting:
+            self._close_walk()
+        else:
+            super().evict_device_end(component_type)
+
+    def _close_walk(self) -> None:
         if self.vamp_walk is not None:
             self.vamp_walk.close()
         self.vamp_walk = None
 
     def evict_device_leaf(self, node_id: Any, is_write_back: bool) -> Any:
         result = super().evict_device_leaf(node_id, is_write_back)
+        if self.vamp_lost is None:
+            try:
+                self._evicted(node_id, result.tracker.get(_FULL, 0))
+            except Exception as error:  # noqa: BLE001 - the Rust core evicted it: the eviction goes on in its order
+                self._lose(error)
+        return result
+
+    def _evicted(self, node_id: int, freed_tokens: int) -> None:
         node = self.vamp_mirror.pop(node_id)
+        if freed_tokens != node.tokens:
+            raise RuntimeError(f"the Rust core freed {freed_tokens} tokens of node {node_id}, the mirror held {node.tokens}")
         self.evictable_device_leaves.discard(node)
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
@@ -261,7 +326,6 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self.vamp_walk.freed(parent)
         else:
             self._refile(parent)  # a parent left without children joins the open walk at its key
-        return result
 
     def vamp_priority(self, node: MirrorNode) -> tuple:
         return self.priced_now()(node)

@@ -1,0 +1,85 @@
+"""A mirror that stops following SGLang's Rust core must not take the server down (integration/radix_rust.py).
+
+The mirror follows the Rust core's tree through its keys; a defect there (a node it never filed, a path it read
+wrong) used to raise inside SGLang's own calls: a match, an insert, a lock, an admission, or an eviction already
+half done in the Rust core. Now the first such error ends VAMP's order on that tree: it is logged once, the
+mirror is dropped, and SGLang's Rust core evicts in its own LRU order (kept all along) from then on; the
+planner's candidates say why they cannot be read, so every later decision falls back to SGLang's eviction
+(`decision_errors`), and `/vamp/stats` reports it. Here a mirror is broken on purpose (a node taken out of it,
+as a missed split would leave it) at each kind of call, and the cache must go on serving requests.
+"""
+
+import random
+
+import pytest
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from eval.cachesim.tree import TreeReplay, build, prepare
+from vamp_sglang.integration import radix_backend, radix_eviction
+
+POOL_TOKENS = 600
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_context():
+    prepare()
+
+
+def serve(replay, step, histories, rng, requests: int) -> int:
+    """`requests` session turns (each extends its history), one at a time; returns the tokens they hit."""
+    hit = 0
+    for _ in range(requests):
+        step[0] += 1
+        history = rng.choice(histories)
+        history.extend(rng.randrange(1000) for _ in range(rng.randint(5, 30)))
+        if len(history) > 250:
+            del history[20:]
+        admission = replay.admit(history, len(history))
+        assert admission is not None, "a request that fits the pool was refused"
+        hit += admission.prefix_len
+        replay.finish(admission, history)
+    return hit
+
+
+def filled():
+    cache, allocator, step = build("vamp-rust", POOL_TOKENS)
+    replay, rng = TreeReplay(cache, allocator), random.Random(0)
+    histories = [[1000 + 100 * s + i for i in range(12)] for s in range(5)]
+    serve(replay, step, histories, rng, 40)
+    assert replay.evicted_tokens > 0, "the pool never fell short: nothing was evicted yet"
+    return cache, step, replay, histories, rng
+
+
+def _forget_a_leaf(core):  # a later match files it again as a split of itself; an eviction names a node it lost
+    core.vamp_mirror.pop(next(iter(core.evictable_device_leaves)).id)
+
+
+def _miscount_a_leaf(core):  # nothing raises: the eviction frees other than the mirror says
+    for leaf in core.evictable_device_leaves:
+        leaf.tokens += 3
+
+
+@pytest.mark.parametrize("break_mirror", [_forget_a_leaf, _miscount_a_leaf])
+def test_a_broken_mirror_hands_eviction_to_sglang_and_the_cache_serves_on(break_mirror, caplog):
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    break_mirror(core)
+    evicted_before = replay.evicted_tokens
+    hit = serve(replay, step, histories, rng, 60)
+    assert core.vamp_lost, "the mirror's error was not noticed"
+    assert replay.evicted_tokens > evicted_before and hit > 0  # SGLang's own order evicts, and prefixes still hit
+    assert sum("stopped following" in r.getMessage() for r in caplog.records) == 1  # logged once
+    with pytest.raises(RuntimeError, match="SGLang's own eviction"):
+        radix_eviction.eviction_candidates(cache, 100, 0, 1, 4)
+    stats = radix_backend.radix_stats(cache)
+    assert stats["tree_core"] == "rust" and stats["mirror_lost"] == core.vamp_lost
+
+
+def test_an_eviction_the_mirror_fails_in_is_finished_by_sglangs_order():
+    """The error comes after the Rust core evicted a node the order named: the rest of that eviction is SGLang's."""
+    cache = filled()[0]
+    core = cache.tree_core
+    _forget_a_leaf(core)
+    evictable = core.evictable_size()
+    freed = cache.evict(EvictParams(num_tokens=evictable // 2)).num_tokens_evicted
+    assert core.vamp_lost and freed >= evictable // 2
