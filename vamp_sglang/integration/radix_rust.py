@@ -18,6 +18,12 @@ Python core's insert walk does (`_touch_node`, the split-off suffix included); a
 are counted along the mirror path from the anchor, so a node is an evictable leaf when it has no child and no
 lock. Plain trees only: sessions, HiCache and hybrid states need the Python core (`VampTreeCore`);
 `--vamp-tree-core auto` picks per tree (radix_backend.py, `refusal` here).
+
+The mirror sees every change to the tree (`vamp_changes` counts them), so the eviction SGLang runs right after a
+decision takes the victims the decision's read-only walk named (`hand_over`), without walking again, as long as
+nothing changed and the step and published priors are the decision's. If the mirror ever fails to follow the Rust
+core (an error in our code, a node that frees other than the mirror holds), VAMP's order ends on this tree and
+the Rust core's own LRU order evicts from then on (`_lose`): the server keeps serving.
 """
 
 from __future__ import annotations
