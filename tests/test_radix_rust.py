@@ -186,6 +186,15 @@ def test_on_bench_tree_the_rust_core_keeps_the_python_cores_hits():
     assert evicted_tokens > 0
 
 
+def fresh_priority(core, node, now: int) -> tuple:
+    """The tree's key of `node` priced afresh at step `now` (Eq. 1 extended); on the mirror, ending with the node id
+    its ties break by (LeafOrder's `ties_by_id`)."""
+    stats, shares = node.vamp_stats, core.vamp_shares
+    key = (1, node.priority, *core.vamp_order.priority(stats, now, shares.prior(stats.prior),
+                                                        shares.gap_steps(stats.prior)))
+    return (*key, node.id) if core.vamp_leaf_order.ties_by_id else key
+
+
 def test_requests_in_one_step_leave_no_stale_priority():
     """Many requests per scheduler step, as a server batches them: a node touched or admitted within the step
     its priority was memoised in must be priced afresh (every leaf's memoised priority equals Eq. 1's now)."""
@@ -196,12 +205,9 @@ def test_requests_in_one_step_leave_no_stale_priority():
         admission = replay.admit(tokens, len(tokens))
         if admission is not None:
             replay.finish(admission, tokens)
-        priced, shares = core.priced_now(), core.vamp_shares
+        priced = core.priced_now()
         for leaf in core.evictable_device_leaves:
-            stats = leaf.vamp_stats
-            fresh = (1, leaf.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
-                                                                   shares.gap_steps(stats.prior)))
-            assert priced(leaf) == fresh, (i, leaf.id)
+            assert priced(leaf) == fresh_priority(core, leaf, step[0]), (i, leaf.id)
     assert replay.evicted_tokens > 0
 
 
@@ -234,10 +240,7 @@ def test_a_touch_within_the_step_drops_the_memoised_priority(policy):
     assert shares.refresh(core.vamp_ledger.hit_rate) == version, "the priors moved: the memo was cleared anyway"
     priced = core.priced_now()
     for node in core.device_nodes():
-        stats = node.vamp_stats
-        fresh = (1, node.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
-                                                               shares.gap_steps(stats.prior)))
-        assert priced(node) == fresh, node.id
+        assert priced(node) == fresh_priority(core, node, step[0]), node.id
 
 
 @pytest.mark.parametrize("policy", ["vamp", "vamp-rust"])
@@ -263,15 +266,10 @@ def test_a_priority_raised_while_a_walk_is_open(policy):
     finish(replay, admissions[1], turn, 2)
     assert shares.refresh(core.vamp_ledger.hit_rate) == version, "the priors moved: the memo was cleared anyway"
 
-    def fresh(node):
-        stats = node.vamp_stats
-        return (1, node.priority, *core.vamp_order.priority(stats, step[0], shares.prior(stats.prior),
-                                                           shares.gap_steps(stats.prior)))
-
     priced = core.priced_now()
-    assert all(priced(node) == fresh(node) for node in core.device_nodes())
+    assert all(priced(node) == fresh_priority(core, node, step[0]) for node in core.device_nodes())
     rest = [node for node in core.evictable_device_leaves if node.id not in taken]
-    assert [n.id for n in walk] == [n.id for n in sorted(rest, key=lambda n: (fresh(n), n))]
+    assert [n.id for n in walk] == [n.id for n in sorted(rest, key=lambda n: (fresh_priority(core, n, step[0]), n))]
 
 
 def test_what_the_mirror_cannot_follow_is_refused_before_the_tree_is_built():

@@ -43,8 +43,9 @@ def _counted(ties_by_id: bool, leaves: list[_Node], now: int):
         kept.add(leaf)
     priors = {writer_class(WRITER): PRIOR}
 
-    def exact(node):
-        return (1, node.priority, *order_of.priority(node.vamp_stats, now, PRIOR))
+    def exact(node):  # the tree's key; where ties break by id, ending with it (LeafOrder's `ties_by_id`)
+        key = (1, node.priority, *order_of.priority(node.vamp_stats, now, PRIOR))
+        return (*key, node.id) if ties_by_id else key
 
     kept.prepare(now, priors, {})
     pulled.clear()
@@ -94,7 +95,8 @@ def test_walks_over_many_ties_are_the_exact_sort(nodes, now, tau_steps, ties_by_
     priors = {cls: 0.4 for cls in (None, *range(CLASSES))}
 
     def exact(node):
-        return (1, node.priority, *order_of.priority(node.vamp_stats, now, priors[writer_class(node.vamp_stats.prior)]))
+        key = (1, node.priority, *order_of.priority(node.vamp_stats, now, priors[writer_class(node.vamp_stats.prior)]))
+        return (*key, node.id) if ties_by_id else key
 
     walk = kept.walk(now, priors, {}, exact, lambda n: True)
     assert [n.id for n in walk] == [n.id for n in sorted(leaves, key=lambda n: (exact(n), n))]

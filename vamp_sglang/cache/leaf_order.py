@@ -88,7 +88,8 @@ class LeafOrder:
                  ties_by_id: bool = False) -> None:
         self.alpha, self.tau_steps, self.describe = alpha, tau_steps, describe
         # the tree breaks ties between equal keys by node id (the Rust core's mirror; SGLang's Python nodes break
-        # them by their last access, which the order does not follow): a bound that is a whole key ends with the id
+        # them by their last access, which the order does not follow): its keys (a walk's `exact`), and a bound
+        # that is a whole key, end with the id
         self.ties_by_id = ties_by_id
         # sessions: a leaf's rank is (held by an open session, open sessions holding it, request priority), the
         # head of SGLang's session-ref key (ref > 0, ref, the tree's priority) wrapped around the tree's priority
@@ -268,10 +269,11 @@ class LeafOrder:
             r_hit, tail = rate
             last = entry[0]
             age = now - last if now > last else 0
-            value = (1, priority, NOT_EXPECTED, self.alpha * r_hit / (1.0 + age / self.tau_steps))
+            p_eff = self.alpha * r_hit / (1.0 + age / self.tau_steps)
             if not (tail and age and now < TAIL_STEPS):  # age 0 prices every later use alike: a prefix is below them
+                value = (1, priority, NOT_EXPECTED, p_eff)
                 return (rank[0], rank[1], value) if self.sessions else value
-            value += (entry[1], last)
+            value = (1, priority, NOT_EXPECTED, p_eff, entry[1], last)
         if self.sessions:
             return (rank[0], rank[1], value)
         return (*value, entry[2]) if self.ties_by_id else value
@@ -305,11 +307,6 @@ class OrderedWalk:
 
     def __init__(self, order: LeafOrder, now: float, exact: Callable[[Any], tuple],
                  admits: Callable[[Any], bool]) -> None:
-        if order.ties_by_id:  # the key ready leaves and bounds compare by, as the tree's ties break
-            priced = exact
-
-            def exact(node: Any) -> tuple:
-                return (*priced(node), node.id)
         self.order, self.now, self.exact, self.admits = order, now, exact, admits
         self.ready: list[tuple[tuple, Any]] = []  # (exact key, node), as SGLang's eviction heap holds them
         self.pending: dict[int, tuple] = {}  # id -> the key it waits in `ready` with (an older entry is stale)

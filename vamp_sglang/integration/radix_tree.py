@@ -143,6 +143,7 @@ class VampStatistics:
 
     def _pricer(self, now: int) -> Callable[[Any], tuple]:
         memo, order, shares, key = self.vamp_priorities, self.vamp_order, self.vamp_shares, self.vamp_priority_key
+        ids = self.vamp_leaf_order is not None and self.vamp_leaf_order.ties_by_id  # the key ends with the node id
 
         def priority(node: Any) -> tuple:
             current = self.vamp_priority_key is key  # else a walk left open past its step: its own step, memo aside
@@ -150,8 +151,8 @@ class VampStatistics:
             if value is None or value[1] != node.priority:  # SGLang raises a request priority after the touch
                 # that dropped the entry, and a walk left open may have priced the node in between
                 stats = node.vamp_stats
-                value = (1, node.priority, *order.priority(stats, now, shares.prior(stats.prior),
-                                                           shares.gap_steps(stats.prior)))
+                ranked = order.priority(stats, now, shares.prior(stats.prior), shares.gap_steps(stats.prior))
+                value = (1, node.priority, *ranked, node.id) if ids else (1, node.priority, *ranked)
                 if current:
                     memo[node.id] = value
             return value
