@@ -68,6 +68,8 @@ def test_the_eviction_after_a_decision_takes_its_victims_without_walking(monkeyp
     freed, walks = evicted_ids(cache, 120, monkeypatch)
     assert freed == expected
     assert walks == 0, "the eviction walked the order again"
+    order = cache.tree_core.vamp_leaf_order  # the victims' dead heap entries went with the eviction, as a walk's do
+    assert all(order.entries.get(heap[0][2], (None, None))[1] is heap[0] for heap in order.groups.values() if heap)
 
 
 def test_an_eviction_asking_more_than_the_decision_covered_walks_on_from_its_victims(monkeypatch):

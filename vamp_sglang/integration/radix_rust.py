@@ -387,3 +387,5 @@ class _HandedOver:
         self.file()
         if self.walk is not None:
             self.walk.close()
+        elif not self.core.vamp_leaf_order.open_walks:  # as a walk closing does: the next decision's walk does not
+            self.core.vamp_leaf_order.drop_dead_tops()   # pay for the victims' dead heap entries
