@@ -83,3 +83,18 @@ def test_an_eviction_the_mirror_fails_in_is_finished_by_sglangs_order():
     evictable = core.evictable_size()
     freed = cache.evict(EvictParams(num_tokens=evictable // 2)).num_tokens_evicted
     assert core.vamp_lost and freed >= evictable // 2
+
+
+def test_a_reset_tree_is_followed_again():
+    """SGLang's /flush_cache empties the Rust core's tree: the mirror, empty too, follows it again."""
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    _forget_a_leaf(core)
+    serve(replay, step, histories, rng, 20)
+    assert core.vamp_lost
+    cache.reset()
+    replay.allocator.clear()  # as SGLang's flush_cache frees the pool with the tree
+    assert core.vamp_lost is None
+    serve(replay, step, histories, rng, 40)
+    assert core.vamp_lost is None and core.device_nodes()
+    assert radix_eviction.eviction_candidates(cache, 100, 0, 1, 4)

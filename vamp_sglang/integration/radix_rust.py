@@ -110,6 +110,10 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self.vamp_mirror.clear()
             self.evictable_device_leaves.clear()
             self.vamp_changes += 1
+            if self.vamp_lost is not None:  # both trees empty (SGLang's /flush_cache): the mirror follows again
+                logger.warning("vamp: the tree was reset; VAMP's order runs it again (the mirror had stopped: %s)",
+                               self.vamp_lost)
+                self.vamp_lost = None
 
     def vamp_node(self, node_id: int) -> MirrorNode:
         return self.vamp_mirror[node_id]
