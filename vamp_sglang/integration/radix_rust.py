@@ -291,21 +291,18 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
 
     def evict_device_next_node(self, component_type: ComponentType, tracker: dict) -> EvictDeviceNextNodeResult:
-        if self.vamp_evicting and self.vamp_lost is None:
-            if tracker[_FULL] >= self.vamp_evict_request_tokens:
-                return EvictDeviceNextNodeResult()
-            node = next(self.vamp_walk, None)
-            if node is None:
-                return EvictDeviceNextNodeResult()
-            if not self.collect_path_info([node.id])[0][-1].num_children:
-                return EvictDeviceNextNodeResult(node_id=node.id, made_progress=True)
-            # the Rust core panics (and stays poisoned) when asked to evict a node with children: never ask it
-            self._lose(RuntimeError(f"the mirror holds node {node.id} as a leaf; the Rust core has children under it"))
-        if self.vamp_evicting:  # lost within this eviction: the Rust core finishes it in its own order
+        if self.vamp_evicting and self.vamp_lost is not None:  # lost within this eviction: the Rust core finishes it
             self._close_walk()
             self.vamp_evicting = False
             super().evict_device_start(component_type, self.vamp_evict_request_tokens)
-        return super().evict_device_next_node(component_type, tracker)
+        if not self.vamp_evicting:
+            return super().evict_device_next_node(component_type, tracker)
+        if tracker[_FULL] >= self.vamp_evict_request_tokens:
+            return EvictDeviceNextNodeResult()
+        node = next(self.vamp_walk, None)
+        if node is None:
+            return EvictDeviceNextNodeResult()
+        return EvictDeviceNextNodeResult(node_id=node.id, made_progress=True)
 
     def evict_device_end(self, component_type: ComponentType) -> None:
         if self.vamp_evicting:
