@@ -98,3 +98,21 @@ def test_a_reset_tree_is_followed_again():
     serve(replay, step, histories, rng, 40)
     assert core.vamp_lost is None and core.device_nodes()
     assert radix_eviction.eviction_candidates(cache, 100, 0, 1, 4)
+
+
+@pytest.mark.xfail(strict=True, reason="not handled: the Rust core panics on evicting a node with children and stays "
+                   "poisoned; a per-victim collect_path_info check cost ~20 us a victim (docs/decisions.md, stop 42)")
+def test_an_inner_node_the_mirror_takes_for_a_leaf_is_never_named():
+    """Found by a review: a mirror that missed a child takes its parent for a leaf; naming that parent to SGLang's
+    eviction makes the Rust core panic, and its poisoned lock refuses every later call."""
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    leaf = next(n for n in core.evictable_device_leaves if n.parent.parent is not None)
+    parent = leaf.parent
+    del parent.children[leaf.child_key]
+    core.vamp_mirror.pop(leaf.id)
+    core.evictable_device_leaves.discard(leaf)
+    parent.vamp_stats.last_step = -100  # first in the order
+    core._refile(parent)
+    cache.evict(EvictParams(num_tokens=core.evictable_size() // 2))
+    assert core.vamp_lost and serve(replay, step, histories, rng, 20) > 0
