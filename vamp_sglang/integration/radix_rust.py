@@ -23,7 +23,8 @@ The mirror sees every change to the tree (`vamp_changes` counts them), so the ev
 decision takes the victims the decision's read-only walk named (`hand_over`), without walking again, as long as
 nothing changed and the step and published priors are the decision's. If the mirror ever fails to follow the Rust
 core (an error in our code, a node that frees other than the mirror holds), VAMP's order ends on this tree and
-the Rust core's own LRU order evicts from then on (`_lose`): the server keeps serving.
+the Rust core's own LRU order evicts from then on (`_lose`): the server keeps serving. Not caught: a mirror that
+takes an inner node for a leaf names it, and the Rust core panics (tests/test_radix_mirror_lost.py, a strict xfail).
 """
 
 from __future__ import annotations
