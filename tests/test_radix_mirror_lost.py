@@ -100,6 +100,29 @@ def test_a_reset_tree_is_followed_again():
     assert radix_eviction.eviction_candidates(cache, 100, 0, 1, 4)
 
 
+@pytest.mark.parametrize("where", ["walk", "next"])
+def test_an_error_in_vamps_own_walk_hands_the_eviction_to_sglang(where, monkeypatch):
+    """The kept order itself raising as an eviction starts (outside SGLang's try/finally) or as it names a victim."""
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    step[0] += 1  # no decision's victims to take: the eviction walks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a defect in the kept order")
+
+    if where == "walk":
+        monkeypatch.setattr(core.vamp_leaf_order, "walk", broken)
+    else:
+        from vamp_sglang.cache import leaf_order
+
+        monkeypatch.setattr(leaf_order.OrderedWalk, "__next__", broken)
+    evictable = core.evictable_size()
+    freed = cache.evict(EvictParams(num_tokens=evictable // 2)).num_tokens_evicted
+    assert core.vamp_lost and freed >= evictable // 2
+    monkeypatch.undo()
+    assert serve(replay, step, histories, rng, 20) > 0
+
+
 @pytest.mark.xfail(strict=True, reason="not handled: the Rust core panics on evicting a node with children and stays "
                    "poisoned; a per-victim collect_path_info check cost ~20 us a victim (docs/decisions.md, stop 42)")
 def test_an_inner_node_the_mirror_takes_for_a_leaf_is_never_named():

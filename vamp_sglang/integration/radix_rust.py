@@ -97,8 +97,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_mirror: dict[int, MirrorNode] = {}
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
-        # (changes, priority key, nodes) of the latest decision's read-only walk: the eviction that follows it
-        # takes those nodes while both still hold (`evict_device_start`)
+        # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
         self.vamp_victims: tuple[int, Any, list[MirrorNode]] | None = None
         self.vamp_insert: Any = None  # the InsertParams of the insert SGLang runs now (it may take several steps)
         self.vamp_lost: str | None = None  # why the mirror stopped following the Rust core (`_lose`); None: it follows
@@ -205,9 +204,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self._refile(anchor)
 
     def _lose(self, error: Exception) -> None:
-        """The mirror failed to follow the Rust core (a defect of ours: an error, or a node that freed other than
-        the mirror held). It cannot be rebuilt (the Rust core lists no nodes), so VAMP's order ends on this tree:
-        the Rust core's own LRU order, kept all along, evicts from now on, and every decision falls back to
+        """The mirror failed to follow the Rust core (a defect of ours). It cannot be rebuilt (the Rust core lists
+        no nodes): the Rust core's own LRU order, kept all along, evicts until a reset, every decision falls back to
         SGLang's eviction (`eviction_candidates` raises). Logged once; `/vamp/stats` radix reports it."""
         self.vamp_lost = f"{type(error).__name__}: {error}"
         logger.error("vamp: the mirror of SGLang's Rust tree stopped following it (%s); SGLang's own eviction "
@@ -285,11 +283,14 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if not self.vamp_evicting:
             return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
-        self.priced_now()  # the step and published priors, as a walk would price them
-        if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
-            self.vamp_walk = _HandedOver(self, victims[2])
-        else:
-            self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
+        try:
+            self.priced_now()  # the step and published priors, as a walk would price them
+            if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
+                self.vamp_walk = _HandedOver(self, victims[2])
+            else:
+                self.vamp_walk = self.vamp_ordered_walk(self.evictable_device_leaves.__contains__)
+        except Exception as error:  # noqa: BLE001 - the next call hands this eviction to the Rust core's own order
+            self._lose(error)
 
     def evict_device_next_node(self, component_type: ComponentType, tracker: dict) -> EvictDeviceNextNodeResult:
         if self.vamp_evicting and self.vamp_lost is not None:  # lost within this eviction: the Rust core finishes it
@@ -300,7 +301,11 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             return super().evict_device_next_node(component_type, tracker)
         if tracker[_FULL] >= self.vamp_evict_request_tokens:
             return EvictDeviceNextNodeResult()
-        node = next(self.vamp_walk, None)
+        try:
+            node = next(self.vamp_walk, None)
+        except Exception as error:  # noqa: BLE001 - the walk failed: the Rust core finishes this eviction
+            self._lose(error)
+            return self.evict_device_next_node(component_type, tracker)
         if node is None:
             return EvictDeviceNextNodeResult()
         return EvictDeviceNextNodeResult(node_id=node.id, made_progress=True)
@@ -344,12 +349,10 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
 class _HandedOver:
     """The eviction's victims: a decision's nodes first, each still an evictable leaf (nothing changed since the
-    decision: `vamp_changes`), then, if the eviction asks for more than the decision covered, a walk of the kept
-    order from what is left (the nodes taken are gone, the parents they freed filed: it goes on exactly).
-
-    A parent an eviction frees joins the leaf set at once but the kept order only when the victims run out or
-    the eviction ends (SGLang ends it in a `finally`): most are the decision's next victims, and filing them
-    was a third of the bookkeeping an evicted node cost."""
+    decision: `vamp_changes`), then, if the eviction asks for more, a walk of the kept order from what is left.
+    A parent it frees joins the leaf set at once but the kept order only when the victims run out or the eviction
+    ends (SGLang ends it in a `finally`): most are the decision's next victims, and filing them was a third of the
+    bookkeeping an evicted node cost."""
 
     def __init__(self, core: VampRustTreeCore, nodes: list[MirrorNode]) -> None:
         self.core, self.nodes, self.walk = core, iter(nodes), None
