@@ -189,10 +189,15 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         """Put `node` in the evictable leaves (re-filed at its statistics) or take it out. Every change to the
         mirror ends here (a new node, a split, a touch, a lock, a priority, an eviction): it is counted."""
         self.vamp_changes += 1
-        if node.parent is not None and not node.children and not node.lock_ref:
+        if self._is_leaf(node):
             self.evictable_device_leaves.add(node)
         else:
             self.evictable_device_leaves.discard(node)
+
+    @staticmethod
+    def _is_leaf(node: MirrorNode) -> bool:
+        """An evictable leaf: not a root, no child, no lock."""
+        return node.parent is not None and not node.children and not node.lock_ref
 
     def _lock_path(self, node_id: int | None, delta: int) -> None:
         node = self.vamp_mirror.get(node_id) if node_id is not None else None
@@ -214,14 +219,20 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.evictable_device_leaves.clear()
         self.vamp_victims = None
 
+    def _mirror(self, update: Any, *args: Any) -> None:
+        """`update(*args)` of the mirror after the Rust core's own call, unless the mirror is lost; an error in
+        it loses the mirror (`_lose`) instead of reaching SGLang, whose call already happened."""
+        if self.vamp_lost is None:
+            try:
+                update(*args)
+            except Exception as error:  # noqa: BLE001
+                self._lose(error)
+
     # --- SGLang's tree operations, followed ------------------------------------------------------
     def match_prefix(self, params: Any) -> Any:
         result = super().match_prefix(params)
-        if self.vamp_lost is None and result.last_device_node not in self.vamp_mirror:
-            try:
-                self._follow(params.key, result.last_device_node, touch=False)
-            except Exception as error:  # noqa: BLE001 - the Rust core matched: SGLang goes on without the mirror
-                self._lose(error)
+        if result.last_device_node not in self.vamp_mirror:
+            self._mirror(self._follow, params.key, result.last_device_node, False)
         return result
 
     def begin_insert(self, params: Any) -> Any:
@@ -232,36 +243,29 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return self._followed_insert(super().resume_insert())
 
     def _followed_insert(self, step: Any) -> Any:
-        """The insert's last step (its result) followed: its path, touched, and its request priority."""
-        if self.vamp_lost is None and step.result is not None and step.result.last_device_node is not None:
-            try:
-                self._follow(self.vamp_insert.key, step.result.last_device_node, touch=True)
-                if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
-                    node = leaf = self.vamp_mirror[step.result.last_device_node]
-                    while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
-                        node.priority = max(node.priority, priority)
-                        node = node.parent
-                    self._refile(leaf)
-            except Exception as error:  # noqa: BLE001
-                self._lose(error)
+        if step.result is not None and step.result.last_device_node is not None:
+            self._mirror(self._follow_insert, step.result.last_device_node)
         return step
+
+    def _follow_insert(self, node_id: int) -> None:
+        """The insert's last step (its result) followed: its path, touched, and its request priority."""
+        self._follow(self.vamp_insert.key, node_id, touch=True)
+        if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
+            node = leaf = self.vamp_mirror[node_id]
+            while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
+                node.priority = max(node.priority, priority)
+                node = node.parent
+            self._refile(leaf)
 
     def inc_lock_ref(self, node_id: Any, skip_lock_components: Any = ()) -> Any:
         result = super().inc_lock_ref(node_id, skip_lock_components)
-        self._locked(node_id, 1)
+        self._mirror(self._lock_path, node_id, 1)
         return result
 
     def dec_lock_ref(self, node_id: Any, params: Any, skip_swa: bool = False) -> Any:
         result = super().dec_lock_ref(node_id, params, skip_swa)
-        self._locked(node_id, -1)
+        self._mirror(self._lock_path, node_id, -1)
         return result
-
-    def _locked(self, node_id: Any, delta: int) -> None:
-        if self.vamp_lost is None:
-            try:
-                self._lock_path(node_id, delta)
-            except Exception as error:  # noqa: BLE001
-                self._lose(error)
 
     def record_admission(self, node_id: int, hit_tokens: int, requested_tokens: int, first: bool) -> None:
         if self.vamp_lost is None:
@@ -323,11 +327,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     def evict_device_leaf(self, node_id: Any, is_write_back: bool) -> Any:
         result = super().evict_device_leaf(node_id, is_write_back)
-        if self.vamp_lost is None:
-            try:
-                self._evicted(node_id, result.tracker.get(_FULL, 0))
-            except Exception as error:  # noqa: BLE001 - the Rust core evicted it: the eviction goes on in its order
-                self._lose(error)
+        self._mirror(self._evicted, node_id, result.tracker.get(_FULL, 0))  # lost: the Rust core's order goes on
         return result
 
     def _evicted(self, node_id: int, freed_tokens: int) -> None:
@@ -366,7 +366,7 @@ class _HandedOver:
             core._refile(parent)
             return
         core.vamp_changes += 1
-        if parent.parent is not None and not parent.children and not parent.lock_ref:
+        if core._is_leaf(parent):
             core.evictable_device_leaves.add_unfiled(parent)
             self.unfiled.append(parent)
 
