@@ -75,6 +75,8 @@ def check_mirror(core: VampRustTreeCore) -> None:
     leaves = {n for n in nodes if not n.children and not n.lock_ref}
     assert set(core.evictable_device_leaves) == leaves
     assert sum(n.tokens for n in leaves) <= core.evictable_size()
+    # the count an eviction checks before it names anything (`evict_device_start`): exact, not just in sum
+    assert core.vamp_evictable_tokens == sum(n.tokens for n in nodes if not n.lock_ref) == core.full_evictable_size()
 
 
 def node_statistics(core) -> dict[tuple, tuple]:

@@ -1,32 +1,25 @@
 """VAMP's statistics and eviction order beside SGLang's Rust tree core (issue 23: the tree within 2x of it).
 
-`VampTreeCore` (radix_tree.py) extends SGLang's Python tree core, which costs 0.2-0.7x the Rust core per
-operation. SGLang 0.5.23's Rust core cannot take VAMP's order (it takes its built-in policies by name) and
-hands out no nodes (`node_by_id` raises), but it names every node by a stable id, tells a path's ids, spans and
-child counts (`collect_path_info`), and lets the cache's eviction loop evict any leaf by id: `_evict_components`
-asks `evict_device_next_node` for the next victim and evicts it with `evict_device_leaf`. So `VampRustTreeCore`
-keeps a mirror of the tree (`MirrorNode`: id, parent, children, tokens, locks, `NodeStats`) and names VAMP's
-victims from the same kept order (cache/leaf_order.py) the Python core uses, while the Rust core does the
-matching, inserting, locking and freeing.
+SGLang 0.5.23's Rust core takes only its built-in policies by name and hands out no nodes, but it names every
+node by a stable id, tells a path's ids, spans and child counts (`collect_path_info`), and its cache's eviction
+loop (`_evict_components`) takes each victim's id from `evict_device_next_node`. So `VampRustTreeCore` keeps a
+mirror of the tree (`MirrorNode`: id, parent, children, tokens, locks, `NodeStats`) and names VAMP's victims from
+the kept order (cache/leaf_order.py) the Python core uses; the Rust core matches, inserts, locks and frees.
 
-The mirror follows the Rust core's tree through its keys: after a match or an insert whose deepest node it
-does not know yet, it reads that node's path and files every new node under its parent by the child key at its
-first token. A new node whose child key its parent already has is a split (the Rust core gives the prefix half
-a new id and keeps the old id on the suffix): the old child moves under it, shorter by its length, and the new
-node takes a copy of its statistics, as `VampTreeCore._split_node` gives them. An insert touches every node on its path, as the
-Python core's insert walk does (`_touch_node`, the split-off suffix included); a match touches nothing. Locks
-are counted along the mirror path from the anchor, so a node is an evictable leaf when it has no child and no
-lock. Plain trees only: sessions, HiCache and hybrid states need the Python core (`VampTreeCore`);
-`--vamp-tree-core auto` picks per tree (radix_backend.py, `refusal` here).
+After a match or an insert whose deepest node it does not know yet, the mirror reads that node's path and files
+every new node under its parent by the child key at its first token. A new node whose child key its parent
+already has is a split (the Rust core gives the prefix half a new id, the old id keeps the suffix): the old child
+moves under it and the new node takes a copy of its statistics, as `VampTreeCore._split_node` gives them. An
+insert touches every node on its path (the split-off suffix included); a match touches nothing. Locks are counted
+along the path, so an evictable leaf has no child and no lock. Plain trees only: sessions, HiCache and hybrid
+states need the Python core; `--vamp-tree-core auto` picks per tree (radix_backend.py, `refusal` here).
 
-The mirror sees every change to the tree (`vamp_changes` counts them), so the eviction SGLang runs right after a
-decision takes the victims the decision's read-only walk named (`hand_over`), without walking again, as long as
-nothing changed and the step and published priors are the decision's. If the mirror ever fails to follow the Rust
-core (an error in our code, a node that frees other than the mirror holds), VAMP's order ends on this tree and
-the Rust core's own LRU order evicts from then on (`_lose`): the server keeps serving. Not caught: a mirror that
-takes an inner node for a leaf names it, and the Rust core panics (tests/test_radix_mirror_lost.py, a strict xfail).
+Every change to the mirror is counted (`vamp_changes`), so the eviction right after a decision takes the victims
+the decision's walk named (`hand_over`) while nothing changed. If the mirror fails to follow (an error in our code,
+a node that frees other than the mirror holds), VAMP's order ends on this tree and the Rust core's own LRU order
+evicts from then on (`_lose`). Naming a node that is no leaf would panic the Rust core for good, so each eviction
+first checks the mirror's evictable tokens against the Rust core's (O(1)): a missed node or lock ends VAMP's order.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -95,6 +88,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         c = order.coefficients
         self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe, ties_by_id=True)  # MirrorNode.__lt__
         self.vamp_mirror: dict[int, MirrorNode] = {}
+        self.vamp_evictable_tokens = 0  # of the mirror's unlocked nodes: the Rust core's full_evictable_size
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
         # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
@@ -109,6 +103,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if hasattr(self, "vamp_mirror"):  # RustUnifiedTreeCore.__init__ does not reset; a later reset clears
             self.vamp_mirror.clear()
             self.evictable_device_leaves.clear()
+            self.vamp_evictable_tokens = 0
             self.vamp_changes += 1
             if self.vamp_lost is not None:  # both trees empty (SGLang's /flush_cache): the mirror follows again
                 logger.warning("vamp: the tree was reset; VAMP's order runs it again (the mirror had stopped: %s)",
@@ -172,6 +167,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                     self._refile(moved)  # its touch moved its key: the kept order's bound for it must not lag
                 else:
                     self.evictable_device_leaves.discard(parent)
+                    self.vamp_evictable_tokens += node.tokens  # a new node, unlocked (a split keeps the sum)
                 parent.children[child_key] = node
                 node.child_key = child_key
                 self.vamp_mirror[node.id] = node
@@ -203,6 +199,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         node = self.vamp_mirror.get(node_id) if node_id is not None else None
         anchor = node
         while node is not None and node.parent is not None:
+            if not node.lock_ref or node.lock_ref + delta == 0:  # it turns locked or unlocked
+                self.vamp_evictable_tokens -= delta * node.tokens
             node.lock_ref += delta
             node = node.parent
         if anchor is not None:
@@ -218,6 +216,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_mirror.clear()
         self.evictable_device_leaves.clear()
         self.vamp_victims = None
+        self.vamp_evictable_tokens = 0
 
     def _mirror(self, update: Any, *args: Any) -> None:
         """`update(*args)` of the mirror after the Rust core's own call, unless the mirror is lost; an error in
@@ -288,6 +287,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
         try:
+            if self.vamp_evictable_tokens != (held := self.full_evictable_size()):  # a node missed, a lock miscounted
+                raise RuntimeError(f"the mirror holds {self.vamp_evictable_tokens} evictable tokens, the Rust core {held}")
             self.priced_now()  # the step and published priors, as a walk would price them
             if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
                 self.vamp_walk = _HandedOver(self, victims[2])
@@ -335,6 +336,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if freed_tokens != node.tokens:
             raise RuntimeError(f"the Rust core freed {freed_tokens} tokens of node {node_id}, the mirror held {node.tokens}")
         self.evictable_device_leaves.discard(node)
+        self.vamp_evictable_tokens -= node.tokens
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
         del parent.children[node.child_key]
@@ -348,11 +350,10 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
 
 class _HandedOver:
-    """The eviction's victims: a decision's nodes first, each still an evictable leaf (nothing changed since the
-    decision: `vamp_changes`), then, if the eviction asks for more, a walk of the kept order from what is left.
-    A parent it frees joins the leaf set at once but the kept order only when the victims run out or the eviction
-    ends (SGLang ends it in a `finally`): most are the decision's next victims, and filing them was a third of the
-    bookkeeping an evicted node cost."""
+    """The eviction's victims: a decision's nodes first, each still an evictable leaf, then, if the eviction asks
+    for more, a walk of the kept order from what is left. A parent it frees joins the leaf set at once but the kept
+    order only when the victims run out or the eviction ends (SGLang ends it in a `finally`): most are the
+    decision's next victims, and filing them was a third of the bookkeeping an evicted node cost."""
 
     def __init__(self, core: VampRustTreeCore, nodes: list[MirrorNode]) -> None:
         self.core, self.nodes, self.walk = core, iter(nodes), None
