@@ -92,6 +92,7 @@ def test_both_servers_serve_quiet_turns_from_cache_and_one_shots_never(results):
 def test_our_radix_stats_show_the_pressure_and_the_reuse(results):
     radix = results["vamp"]["stats"]["radix"]
     assert radix["tree_core"] == "rust"  # --vamp-tree-core auto: VAMP's order beside SGLang's Rust core
+    assert "mirror_lost" not in radix  # the mirror followed the real scheduler throughout (its count checked per eviction)
     assert radix["evicted_tokens"] > ONE_SHOTS_PER_ROUND * ONE_SHOT_TOKENS  # the pool really overflowed
     assert radix["cached_tokens"] <= POOL_TOKENS
     admitted = radix["admissions"] - results["vamp"]["stats_before"]["radix"]["admissions"]  # less warm-up

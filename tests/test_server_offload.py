@@ -92,6 +92,7 @@ def test_stats_show_experts_offloaded_and_the_pool_grown(runs, name):
     assert modes["whole"]["steps"] + modes["routed"]["steps"] == after["staging"]["steps"]
     assert modes["whole"]["bytes"] + modes["routed"]["bytes"] == after["staging"]["bytes"]
     assert after["radix"]["cached_tokens"] > POOL_TOKENS, "no KV id above the start-up pool was used"
+    assert "mirror_lost" not in after["radix"]  # the tree's order followed a growing pool to the end
 
 
 def test_vamp_off_keeps_the_stock_pool(runs):
