@@ -10,9 +10,12 @@ as a missed split would leave it) at each kind of call, and the cache must go on
 """
 
 import random
+from array import array
 
 import pytest
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from eval.cachesim.tree import TreeReplay, build, prepare
 from vamp_sglang.integration import radix_backend, radix_eviction
@@ -134,11 +137,11 @@ def test_an_inner_node_the_mirror_takes_for_a_leaf_is_never_named():
     del parent.children[leaf.child_key]  # as if the mirror had never filed it
     core.vamp_mirror.pop(leaf.id)
     core.evictable_device_leaves.discard(leaf)
-    core.vamp_evictable_tokens -= leaf.tokens
+    core.vamp_tokens[0] -= leaf.tokens
     parent.vamp_stats.last_step = -100  # first in the order
     core._refile(parent)
     cache.evict(EvictParams(num_tokens=core.evictable_size() // 2))
-    assert "evictable tokens" in core.vamp_lost and serve(replay, step, histories, rng, 20) > 0
+    assert "the mirror holds" in core.vamp_lost and serve(replay, step, histories, rng, 20) > 0
 
 
 def test_a_lock_the_mirror_missed_is_never_evicted():
@@ -148,7 +151,33 @@ def test_a_lock_the_mirror_missed_is_never_evicted():
     leaf = next(iter(core.evictable_device_leaves))
     super(type(core), core).inc_lock_ref(leaf.id)  # the Rust core's lock alone
     cache.evict(EvictParams(num_tokens=core.evictable_size()))
-    assert "evictable tokens" in core.vamp_lost
+    assert "the mirror holds" in core.vamp_lost
     assert core.full_protected_size() >= leaf.tokens  # still held: the Rust core's own order skipped it
     assert not core.is_full_device_evicted(leaf.id)
+    assert serve(replay, step, histories, rng, 20) > 0
+
+
+def test_a_missed_node_and_a_missed_lock_of_one_size_are_caught_together():
+    """Two defects whose evictable tokens offset (found by a review): a node the mirror never filed, and a lock it
+    did not count on a leaf of the same size. The protected tokens still differ."""
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    cache.evict(EvictParams(num_tokens=40))  # room for three writes of 10, 5 and 5 tokens
+    for tokens in ([5000 + i for i in range(10)], [5000 + i for i in range(15)], [6000 + i for i in range(5)]):
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        prefix = cache.path_device_indices(match.last_device_node)[:match.device_prefix_len]
+        new = replay.allocator.alloc(len(tokens) - match.device_prefix_len)
+        cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=torch.cat([prefix, new]),
+                                  prev_prefix_len=match.device_prefix_len))
+    first_token = {n.key.token_ids[n.start]: n for n in core.evictable_device_leaves}
+    missed, locked = first_token[5010], first_token[6000]  # 5 tokens each; the first under a 10-token node
+    del missed.parent.children[missed.child_key]  # never filed: its parent looks like a leaf
+    core.vamp_mirror.pop(missed.id)
+    core.evictable_device_leaves.discard(missed)
+    core.vamp_tokens[0] -= missed.tokens
+    core._refile(missed.parent)
+    super(type(core), core).inc_lock_ref(locked.id)  # the Rust core's lock alone
+    assert core.vamp_tokens[0] == core.full_evictable_size()  # the evictable tokens agree
+    cache.evict(EvictParams(num_tokens=core.evictable_size()))
+    assert "the mirror holds" in core.vamp_lost
     assert serve(replay, step, histories, rng, 20) > 0

@@ -76,7 +76,8 @@ def check_mirror(core: VampRustTreeCore) -> None:
     assert set(core.evictable_device_leaves) == leaves
     assert sum(n.tokens for n in leaves) <= core.evictable_size()
     # the count an eviction checks before it names anything (`evict_device_start`): exact, not just in sum
-    assert core.vamp_evictable_tokens == sum(n.tokens for n in nodes if not n.lock_ref) == core.full_evictable_size()
+    assert core.vamp_tokens == [sum(n.tokens for n in nodes if not n.lock_ref), sum(n.tokens for n in nodes if n.lock_ref)]
+    assert core.vamp_tokens == [core.full_evictable_size(), core.full_protected_size()]
 
 
 def node_statistics(core) -> dict[tuple, tuple]:
@@ -320,3 +321,56 @@ def test_compaction_moves_the_rust_cores_rows_and_their_bytes():
         assert bool((rows <= 32).all()) == (tokens != prompts[2])
     cache.unlock(locked)
     check_mirror(cache.tree_core)
+
+
+def test_an_eagle_tree_matched_by_token_keys_is_followed():
+    """Found by a review: speculative decoding (EAGLE, EAGLE3, NEXTN) makes the Rust core key its tree by token
+    bigrams. The scheduler inserts bigram keys (`checkpoint_into_tree`) but matches by plain token keys
+    (`_req_radix_key`), so a match that splits a node reached the mirror in the other form: it filed the prefix as
+    a new sibling, and counted its tokens twice, so the next eviction ended VAMP's order (it used to name the
+    prefix, an inner node, and panic the Rust core). Random admissions as the scheduler keys them, pages 1 and 4."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from eval.cachesim.tree import cache_spec
+
+    for page in (1, 4):
+        kv = MHATokenToKVPool(size=512, page_size=page, dtype=torch.float16, head_num=1, head_dim=1, layer_num=1,
+                              device="cpu", enable_memory_saver=False)
+        allocator = PagedTokenToKVPoolAllocator(512, page, torch.float16, "cpu", kv, need_sort=False)
+        backend, eviction, cache_class = cache_spec("vamp-rust")
+        cache = cache_class(CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page,
+            tree_components=(ComponentType.FULL,), eviction_policy=eviction, tree_core_backend=backend, is_eagle=True))
+        core, step, rng, evicted = cache.tree_core, [0], random.Random(page), 0
+        assert core.is_eagle and isinstance(core, VampRustTreeCore)
+        radix_backend.bind_step_source(cache, lambda step=step: step[0])
+        histories = [[1000 * s + i for i in range(rng.randint(3, 12))] for s in range(6)]
+        for _ in range(150):
+            step[0] += 1
+            history = rng.choice(histories)
+            prompt = history[:rng.randint(1, len(history))] + [rng.randrange(500) for _ in range(rng.randint(0, 3))]
+            match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt))))  # the scheduler's form
+            lock = cache.lock(match.last_device_node)
+            tokens = prompt + [rng.randrange(500) for _ in range(rng.randint(page, 3 * page))]
+            key = RadixKey(array("q", tokens), is_bigram=True)  # as checkpoint_into_tree keys an insert
+            whole = len(key) // page * page
+            new_rows = whole - match.device_prefix_len
+            if new_rows > allocator.available_size():
+                evicted += cache.evict(EvictParams(num_tokens=new_rows - allocator.available_size() + 4 * page)
+                                       ).num_tokens_evicted
+            if new_rows > 0:
+                prefix = cache.path_device_indices(match.last_device_node)[:match.device_prefix_len]
+                new = allocator.alloc(new_rows)
+                key.limit = whole + 1  # whole pages of bigrams: one raw token more
+                result = cache.insert(InsertParams(key=key, value=torch.cat([prefix, new]),
+                                                   prev_prefix_len=match.device_prefix_len))
+                if result.prefix_len > match.device_prefix_len:
+                    allocator.free(new[:result.prefix_len - match.device_prefix_len])
+            cache.unlock(lock)
+            history.extend(tokens[len(history):])
+            assert core.vamp_lost is None, core.vamp_lost
+            check_mirror(core)
+        assert evicted > 0, "the pool never fell short: no eviction checked the mirror"

@@ -18,7 +18,8 @@ Every change to the mirror is counted (`vamp_changes`), so the eviction right af
 the decision's walk named (`hand_over`) while nothing changed. If the mirror fails to follow (an error in our code,
 a node that frees other than the mirror holds), VAMP's order ends on this tree and the Rust core's own LRU order
 evicts from then on (`_lose`). Naming a node that is no leaf would panic the Rust core for good, so each eviction
-first checks the mirror's evictable tokens against the Rust core's (O(1)): a missed node or lock ends VAMP's order.
+first checks the mirror's evictable and protected tokens against the Rust core's (O(1)): a missed node or lock ends
+VAMP's order. On an EAGLE tree (bigram keys) the mirror reads a match's token key as the bigram key it stands for.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import resolve_tree_core_backend
@@ -57,8 +59,7 @@ class MirrorNode:
     node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams);
     `child_key` is its key in its parent's `children` (kept: an eviction removes it by that key)."""
 
-    __slots__ = ("child_key", "children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens",
-                 "vamp_stats")
+    __slots__ = ("child_key", "children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens", "vamp_stats")
     backuped = False  # what the planner reads of a HiCache host copy: this core runs without a host tier
 
     def __init__(self, node_id: int, parent: MirrorNode | None, key: Any, start: int, tokens: int,
@@ -69,8 +70,7 @@ class MirrorNode:
         self.lock_ref, self.priority, self.vamp_stats = 0, 0, stats
 
     def __lt__(self, other: MirrorNode) -> bool:
-        """Between leaves of equal priority the older node goes first (SGLang's Python nodes break that tie by
-        their last access, a clock the mirror does not follow: matches leave the mirror untouched)."""
+        """Of two leaves of equal priority the older goes first (SGLang's Python nodes: the last accessed)."""
         return self.id < other.id
 
 
@@ -88,7 +88,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         c = order.coefficients
         self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe, ties_by_id=True)  # MirrorNode.__lt__
         self.vamp_mirror: dict[int, MirrorNode] = {}
-        self.vamp_evictable_tokens = 0  # of the mirror's unlocked nodes: the Rust core's full_evictable_size
+        self.vamp_tokens = [0, 0]  # of the mirror's unlocked and locked nodes: the Rust core's full_evictable_size
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
         # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
@@ -103,7 +103,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if hasattr(self, "vamp_mirror"):  # RustUnifiedTreeCore.__init__ does not reset; a later reset clears
             self.vamp_mirror.clear()
             self.evictable_device_leaves.clear()
-            self.vamp_evictable_tokens = 0
+            self.vamp_tokens = [0, 0]
             self.vamp_changes += 1
             if self.vamp_lost is not None:  # both trees empty (SGLang's /flush_cache): the mirror follows again
                 logger.warning("vamp: the tree was reset; VAMP's order runs it again (the mirror had stopped: %s)",
@@ -120,8 +120,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return [n for n in self.vamp_mirror.values() if n.parent is not None]
 
     def set_hicache_enabled(self) -> None:
-        raise ValueError("VAMP's order on SGLang's Rust tree core has no host tier: HiCache needs "
-                         "--vamp-tree-core python")
+        raise ValueError("VAMP's order on SGLang's Rust tree core has no host tier: HiCache needs --vamp-tree-core python")
 
     def unlocked_device_values(self) -> list[tuple[int, Any]]:
         """(node id, its KV indices) of every node no request holds (compaction.py moves their rows in place: the
@@ -139,6 +138,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         """File the nodes on the path to `node_id` the mirror does not know yet (`key` reaches it); `touch`: an
         insert walked the path, so every node on it (and a suffix split off it) was used now."""
         now = self.now_steps()
+        if self.is_eagle and not key.is_bigram:  # EAGLE: the scheduler matches by tokens, inserts and splits by bigrams
+            key = RadixKey(key.token_ids, key.extra_key, is_bigram=True, limit=key.limit, cache_salt=key.cache_salt)
         if node_id not in self.vamp_mirror:
             page, path = self.page_size, self.collect_path_info([node_id])[0]
             if not path:  # a root (one per key namespace)
@@ -167,7 +168,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                     self._refile(moved)  # its touch moved its key: the kept order's bound for it must not lag
                 else:
                     self.evictable_device_leaves.discard(parent)
-                    self.vamp_evictable_tokens += node.tokens  # a new node, unlocked (a split keeps the sum)
+                    self.vamp_tokens[0] += node.tokens  # a new node, unlocked (a split keeps the sums)
                 parent.children[child_key] = node
                 node.child_key = child_key
                 self.vamp_mirror[node.id] = node
@@ -200,7 +201,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         anchor = node
         while node is not None and node.parent is not None:
             if not node.lock_ref or node.lock_ref + delta == 0:  # it turns locked or unlocked
-                self.vamp_evictable_tokens -= delta * node.tokens
+                self.vamp_tokens[0] -= delta * node.tokens
+                self.vamp_tokens[1] += delta * node.tokens
             node.lock_ref += delta
             node = node.parent
         if anchor is not None:
@@ -215,12 +217,10 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                      "order (LRU) runs this tree from now on", self.vamp_lost, exc_info=error)
         self.vamp_mirror.clear()
         self.evictable_device_leaves.clear()
-        self.vamp_victims = None
-        self.vamp_evictable_tokens = 0
+        self.vamp_victims, self.vamp_tokens = None, [0, 0]
 
     def _mirror(self, update: Any, *args: Any) -> None:
-        """`update(*args)` of the mirror after the Rust core's own call, unless the mirror is lost; an error in
-        it loses the mirror (`_lose`) instead of reaching SGLang, whose call already happened."""
+        """`update(*args)` of the mirror unless it is lost; an error loses it (`_lose`), not SGLang's call."""
         if self.vamp_lost is None:
             try:
                 update(*args)
@@ -287,8 +287,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
         try:
-            if self.vamp_evictable_tokens != (held := self.full_evictable_size()):  # a node missed, a lock miscounted
-                raise RuntimeError(f"the mirror holds {self.vamp_evictable_tokens} evictable tokens, the Rust core {held}")
+            if self.vamp_tokens != (held := [self.full_evictable_size(), self.full_protected_size()]):
+                raise RuntimeError(f"the mirror holds {self.vamp_tokens} evictable, protected tokens; the Rust core {held}")
             self.priced_now()  # the step and published priors, as a walk would price them
             if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
                 self.vamp_walk = _HandedOver(self, victims[2])
@@ -336,7 +336,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if freed_tokens != node.tokens:
             raise RuntimeError(f"the Rust core freed {freed_tokens} tokens of node {node_id}, the mirror held {node.tokens}")
         self.evictable_device_leaves.discard(node)
-        self.vamp_evictable_tokens -= node.tokens
+        self.vamp_tokens[0] -= node.tokens
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
         del parent.children[node.child_key]
