@@ -1,18 +1,16 @@
 """VAMP's statistics and eviction order beside SGLang's Rust tree core (issue 23: the tree within 2x of it).
 
-SGLang 0.5.23's Rust core takes only its built-in policies by name and hands out no nodes, but it names every
-node by a stable id, tells a path's ids, spans and child counts (`collect_path_info`), and its cache's eviction
-loop (`_evict_components`) takes each victim's id from `evict_device_next_node`. So `VampRustTreeCore` keeps a
-mirror of the tree (`MirrorNode`: id, parent, children, tokens, locks, `NodeStats`) and names VAMP's victims from
-the kept order (cache/leaf_order.py) the Python core uses; the Rust core matches, inserts, locks and frees.
+SGLang 0.5.23's Rust core takes only its built-in policies by name and hands out no nodes, but it names nodes by
+stable ids, tells a path's ids, spans and child counts (`collect_path_info`), and its cache's eviction loop takes
+each victim's id from `evict_device_next_node`. So `VampRustTreeCore` keeps a mirror of the tree (`MirrorNode`)
+and names VAMP's victims from the kept order (cache/leaf_order.py); the Rust core matches, inserts, locks, frees.
 
-After a match or an insert whose deepest node it does not know yet, the mirror reads that node's path and files
-every new node under its parent by the child key at its first token. A new node whose child key its parent
-already has is a split (the Rust core gives the prefix half a new id, the old id keeps the suffix): the old child
-moves under it and the new node takes a copy of its statistics, as `VampTreeCore._split_node` gives them. An
-insert touches every node on its path (the split-off suffix included); a match touches nothing. Locks are counted
-along the path, so an evictable leaf has no child and no lock. Plain trees only: sessions, HiCache and hybrid
-states need the Python core; `--vamp-tree-core auto` picks per tree (radix_backend.py, `refusal` here).
+After a match or an insert ending at a node it does not know, the mirror reads that node's path and files each
+new node under its parent by the child key at its first token. A new node whose child key its parent already has
+is a split (the prefix half gets a new id, the old id keeps the suffix): the old child moves under it, which takes
+a copy of its statistics (`VampTreeCore._split_node`). An insert touches every node on its path; a match touches
+nothing. Locks are counted along the path: an evictable leaf has no child and no lock. Plain trees only (sessions,
+HiCache and hybrid states need the Python core; `--vamp-tree-core auto` picks per tree: `refusal` here).
 
 Every change to the mirror is counted (`vamp_changes`), so the eviction right after a decision takes the victims
 the decision's walk named (`hand_over`) while nothing changed. If the mirror fails to follow (an error in our code,
@@ -21,6 +19,7 @@ evicts from then on (`_lose`). Naming a node that is no leaf would panic the Rus
 first checks the mirror's evictable and protected tokens against the Rust core's (O(1)): a missed node or lock ends
 VAMP's order. On an EAGLE tree (bigram keys) the mirror reads a match's token key as the bigram key it stands for.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +58,8 @@ class MirrorNode:
     node and `start` the offset of its first token in that key (units of the key: tokens, or bigrams);
     `child_key` is its key in its parent's `children` (kept: an eviction removes it by that key)."""
 
-    __slots__ = ("child_key", "children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens", "vamp_stats")
+    __slots__ = ("child_key", "children", "id", "key", "lock_ref", "parent", "priority", "start", "tokens",
+                 "vamp_stats")
     backuped = False  # what the planner reads of a HiCache host copy: this core runs without a host tier
 
     def __init__(self, node_id: int, parent: MirrorNode | None, key: Any, start: int, tokens: int,
@@ -88,7 +88,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         c = order.coefficients
         self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe, ties_by_id=True)  # MirrorNode.__lt__
         self.vamp_mirror: dict[int, MirrorNode] = {}
-        self.vamp_tokens = [0, 0]  # of the mirror's unlocked and locked nodes: the Rust core's full_evictable_size
+        self.vamp_tokens = [0, 0]  # of unlocked and locked nodes: the Rust core's full_evictable/protected_size
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
         # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
@@ -120,7 +120,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         return [n for n in self.vamp_mirror.values() if n.parent is not None]
 
     def set_hicache_enabled(self) -> None:
-        raise ValueError("VAMP's order on SGLang's Rust tree core has no host tier: HiCache needs --vamp-tree-core python")
+        raise ValueError("VAMP's order on SGLang's Rust tree core has no host tier: HiCache needs "
+                         "--vamp-tree-core python")
 
     def unlocked_device_values(self) -> list[tuple[int, Any]]:
         """(node id, its KV indices) of every node no request holds (compaction.py moves their rows in place: the
@@ -138,7 +139,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         """File the nodes on the path to `node_id` the mirror does not know yet (`key` reaches it); `touch`: an
         insert walked the path, so every node on it (and a suffix split off it) was used now."""
         now = self.now_steps()
-        if self.is_eagle and not key.is_bigram:  # EAGLE: the scheduler matches by tokens, inserts and splits by bigrams
+        if self.is_eagle and not key.is_bigram:  # EAGLE: matched by tokens, inserted and split by bigrams
             key = RadixKey(key.token_ids, key.extra_key, is_bigram=True, limit=key.limit, cache_salt=key.cache_salt)
         if node_id not in self.vamp_mirror:
             page, path = self.page_size, self.collect_path_info([node_id])[0]
@@ -277,8 +278,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     # --- eviction in VAMP's order -----------------------------------------------------------------
     def hand_over(self, nodes: list[MirrorNode]) -> None:
-        """A decision's read-only walk took `nodes`, in order, at this step and published priors: the next
-        eviction takes them without walking again, unless the mirror changes first."""
+        """A decision's walk took `nodes`: the next eviction takes them without walking, unless anything changed."""
         self.vamp_victims = (self.vamp_changes, self.vamp_priority_key, nodes)
 
     def evict_device_start(self, component_type: ComponentType, request_cnt: int) -> None:
@@ -288,7 +288,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         victims, self.vamp_victims = self.vamp_victims, None
         try:
             if self.vamp_tokens != (held := [self.full_evictable_size(), self.full_protected_size()]):
-                raise RuntimeError(f"the mirror holds {self.vamp_tokens} evictable, protected tokens; the Rust core {held}")
+                raise RuntimeError(f"the mirror holds {self.vamp_tokens} (evictable, protected) tokens, SGLang {held}")
             self.priced_now()  # the step and published priors, as a walk would price them
             if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
                 self.vamp_walk = _HandedOver(self, victims[2])
