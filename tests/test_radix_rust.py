@@ -374,3 +374,22 @@ def test_an_eagle_tree_matched_by_token_keys_is_followed():
             assert core.vamp_lost is None, core.vamp_lost
             check_mirror(core)
         assert evicted > 0, "the pool never fell short: no eviction checked the mirror"
+
+
+@pytest.mark.parametrize("policy", ["vamp", "vamp-rust"])
+def test_a_declined_insert_leaves_the_path_unused(policy):
+    """Page-interleaved KV sharding: an insert whose rotation base differs from the cached chain's is declined
+    (`rotation_tail_declined`). SGLang's Python core then touches nothing on the path and raises no priority; the
+    mirror used to touch the path and raise the node's priority (found by a review)."""
+    cache, allocator, step = build(policy, 256)
+    core = cache.tree_core
+    step[0] = 1
+    first = cache.insert(InsertParams(key=RadixKey(array("q", range(16))), value=allocator.alloc(16),
+                                      rotation_base=0))
+    step[0] = 5
+    tokens = list(range(8)) + [99] * 8
+    declined = cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=allocator.alloc(16),
+                                         rotation_base=1, priority=7))
+    assert declined.rotation_tail_declined and not first.rotation_tail_declined
+    node = core.vamp_node(declined.last_device_node)
+    assert node.vamp_stats.last_step == 1 and node.priority == 0

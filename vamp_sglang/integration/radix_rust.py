@@ -244,13 +244,13 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
     def _followed_insert(self, step: Any) -> Any:
         if step.result is not None and step.result.last_device_node is not None:
-            self._mirror(self._follow_insert, step.result.last_device_node)
+            self._mirror(self._follow_insert, step.result.last_device_node, step.result.rotation_tail_declined)
         return step
 
-    def _follow_insert(self, node_id: int) -> None:
-        """The insert's last step (its result) followed: its path, touched, and its request priority."""
-        self._follow(self.vamp_insert.key, node_id, touch=True)
-        if priority := self.vamp_insert.priority:  # SGLang's request priority, kept per node as the highest written through it
+    def _follow_insert(self, node_id: int, declined: bool) -> None:
+        """The insert's result followed: its path, touched, and its priority (none if declined: it used nothing)."""
+        self._follow(self.vamp_insert.key, node_id, touch=not declined)
+        if (priority := self.vamp_insert.priority) and not declined:  # SGLang's request priority, kept per node as the highest written through it
             node = leaf = self.vamp_mirror[node_id]
             while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
                 node.priority = max(node.priority, priority)
