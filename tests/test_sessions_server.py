@@ -25,7 +25,7 @@ import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, get_json, post_json
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (two servers: TP 1 and TP 2)
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 POOL_TOKENS = 2048
 TURN_TOKENS, NEW_TOKENS = 400, 8  # three sessions hold ~1,224 tokens of the pool
