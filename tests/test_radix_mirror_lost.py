@@ -137,7 +137,7 @@ def test_an_inner_node_the_mirror_takes_for_a_leaf_is_never_named():
     del parent.children[leaf.child_key]  # as if the mirror had never filed it
     core.vamp_mirror.pop(leaf.id)
     core.evictable_device_leaves.discard(leaf)
-    core.vamp_tokens[0] -= leaf.tokens
+    core.vamp_evictable_tokens -= leaf.tokens
     parent.vamp_stats.last_step = -100  # first in the order
     core._refile(parent)
     cache.evict(EvictParams(num_tokens=core.evictable_size() // 2))
@@ -174,10 +174,10 @@ def test_a_missed_node_and_a_missed_lock_of_one_size_are_caught_together():
     del missed.parent.children[missed.child_key]  # never filed: its parent looks like a leaf
     core.vamp_mirror.pop(missed.id)
     core.evictable_device_leaves.discard(missed)
-    core.vamp_tokens[0] -= missed.tokens
+    core.vamp_evictable_tokens -= missed.tokens
     core._refile(missed.parent)
     super(type(core), core).inc_lock_ref(locked.id)  # the Rust core's lock alone
-    assert core.vamp_tokens[0] == core.full_evictable_size()  # the evictable tokens agree
+    assert core.vamp_evictable_tokens == core.full_evictable_size()  # the evictable tokens agree
     cache.evict(EvictParams(num_tokens=core.evictable_size()))
     assert "the mirror holds" in core.vamp_lost
     assert serve(replay, step, histories, rng, 20) > 0

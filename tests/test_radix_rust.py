@@ -76,8 +76,9 @@ def check_mirror(core: VampRustTreeCore) -> None:
     assert set(core.evictable_device_leaves) == leaves
     assert sum(n.tokens for n in leaves) <= core.evictable_size()
     # the count an eviction checks before it names anything (`evict_device_start`): exact, not just in sum
-    assert core.vamp_tokens == [sum(n.tokens for n in nodes if not n.lock_ref), sum(n.tokens for n in nodes if n.lock_ref)]
-    assert core.vamp_tokens == [core.full_evictable_size(), core.full_protected_size()]
+    counted = (core.vamp_evictable_tokens, core.vamp_protected_tokens)
+    assert counted == (sum(n.tokens for n in nodes if not n.lock_ref), sum(n.tokens for n in nodes if n.lock_ref))
+    assert counted == (core.full_evictable_size(), core.full_protected_size())
 
 
 def node_statistics(core) -> dict[tuple, tuple]:

@@ -88,7 +88,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         c = order.coefficients
         self.vamp_leaf_order = LeafOrder(c.alpha, c.tau_steps, _describe, ties_by_id=True)  # MirrorNode.__lt__
         self.vamp_mirror: dict[int, MirrorNode] = {}
-        self.vamp_tokens = [0, 0]  # of unlocked and locked nodes: the Rust core's full_evictable/protected_size
+        # tokens of the mirror's unlocked and locked nodes: the Rust core's full_evictable_size, full_protected_size
+        self.vamp_evictable_tokens = self.vamp_protected_tokens = 0
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
         # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
@@ -103,7 +104,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if hasattr(self, "vamp_mirror"):  # RustUnifiedTreeCore.__init__ does not reset; a later reset clears
             self.vamp_mirror.clear()
             self.evictable_device_leaves.clear()
-            self.vamp_tokens = [0, 0]
+            self.vamp_evictable_tokens = self.vamp_protected_tokens = 0
             self.vamp_changes += 1
             if self.vamp_lost is not None:  # both trees empty (SGLang's /flush_cache): the mirror follows again
                 logger.warning("vamp: the tree was reset; VAMP's order runs it again (the mirror had stopped: %s)",
@@ -169,7 +170,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                     self._refile(moved)  # its touch moved its key: the kept order's bound for it must not lag
                 else:
                     self.evictable_device_leaves.discard(parent)
-                    self.vamp_tokens[0] += node.tokens  # a new node, unlocked (a split keeps the sums)
+                    self.vamp_evictable_tokens += node.tokens  # a new node, unlocked (a split keeps the sums)
                 parent.children[child_key] = node
                 node.child_key = child_key
                 self.vamp_mirror[node.id] = node
@@ -202,23 +203,22 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         anchor = node
         while node is not None and node.parent is not None:
             if not node.lock_ref or node.lock_ref + delta == 0:  # it turns locked or unlocked
-                self.vamp_tokens[0] -= delta * node.tokens
-                self.vamp_tokens[1] += delta * node.tokens
+                self.vamp_evictable_tokens -= delta * node.tokens
+                self.vamp_protected_tokens += delta * node.tokens
             node.lock_ref += delta
             node = node.parent
         if anchor is not None:
             self._refile(anchor)
 
     def _lose(self, error: Exception) -> None:
-        """The mirror failed to follow the Rust core (a defect of ours). It cannot be rebuilt (the Rust core lists
-        no nodes): the Rust core's own LRU order, kept all along, evicts until a reset, every decision falls back to
-        SGLang's eviction (`eviction_candidates` raises). Logged once; `/vamp/stats` radix reports it."""
+        """The mirror failed to follow (a defect of ours) and cannot be rebuilt: the Rust core's LRU evicts until a
+        reset, decisions fall back to SGLang's eviction (`eviction_candidates` raises); logged once, in /vamp/stats."""
         self.vamp_lost = f"{type(error).__name__}: {error}"
         logger.error("vamp: the mirror of SGLang's Rust tree stopped following it (%s); SGLang's own eviction "
                      "order (LRU) runs this tree from now on", self.vamp_lost, exc_info=error)
         self.vamp_mirror.clear()
         self.evictable_device_leaves.clear()
-        self.vamp_victims, self.vamp_tokens = None, [0, 0]
+        self.vamp_victims, self.vamp_evictable_tokens, self.vamp_protected_tokens = None, 0, 0
 
     def _mirror(self, update: Any, *args: Any) -> None:
         """`update(*args)` of the mirror unless it is lost; an error loses it (`_lose`), not SGLang's call."""
@@ -250,7 +250,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
     def _follow_insert(self, node_id: int, declined: bool) -> None:
         """The insert's result followed: its path, touched, and its priority (none if declined: it used nothing)."""
         self._follow(self.vamp_insert.key, node_id, touch=not declined)
-        if (priority := self.vamp_insert.priority) and not declined:  # SGLang's request priority, kept per node as the highest written through it
+        if (priority := self.vamp_insert.priority) and not declined:  # kept per node: the highest written through it
             node = leaf = self.vamp_mirror[node_id]
             while node.parent is not None:  # the touch just dropped these nodes' memoised priorities
                 node.priority = max(node.priority, priority)
@@ -287,8 +287,9 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
         try:
-            if self.vamp_tokens != (held := [self.full_evictable_size(), self.full_protected_size()]):
-                raise RuntimeError(f"the mirror holds {self.vamp_tokens} (evictable, protected) tokens, SGLang {held}")
+            held = (self.vamp_evictable_tokens, self.vamp_protected_tokens)
+            if held != (rust := (self.full_evictable_size(), self.full_protected_size())):
+                raise RuntimeError(f"the mirror holds {held} (evictable, protected) tokens, the Rust core {rust}")
             self.priced_now()  # the step and published priors, as a walk would price them
             if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
                 self.vamp_walk = _HandedOver(self, victims[2])
@@ -336,7 +337,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         if freed_tokens != node.tokens:
             raise RuntimeError(f"the Rust core freed {freed_tokens} tokens of node {node_id}, the mirror held {node.tokens}")
         self.evictable_device_leaves.discard(node)
-        self.vamp_tokens[0] -= node.tokens
+        self.vamp_evictable_tokens -= node.tokens
         self.vamp_priorities.pop(node_id, None)
         parent = node.parent
         del parent.children[node.child_key]
@@ -360,8 +361,7 @@ class _HandedOver:
         self.unfiled: list[MirrorNode] = []  # parents freed, in the leaf set, not yet in the kept order
 
     def freed(self, parent: MirrorNode) -> None:
-        """`parent` lost its last child to this eviction (`VampRustTreeCore._refile`, its filing deferred while
-        the decision's victims last; once the walk runs, it joins the walk at once)."""
+        """`parent` lost its last child to this eviction: filed at once once the walk runs, else deferred."""
         core = self.core
         if self.walk is not None:
             core._refile(parent)
