@@ -181,3 +181,19 @@ def test_a_missed_node_and_a_missed_lock_of_one_size_are_caught_together():
     cache.evict(EvictParams(num_tokens=core.evictable_size()))
     assert "the mirror holds" in core.vamp_lost
     assert serve(replay, step, histories, rng, 20) > 0
+
+
+def test_compaction_never_moves_a_node_whose_lock_the_mirror_missed():
+    """Found by a review: compaction (restoring experts) moves the rows of the nodes the mirror lists as unlocked. A
+    lock only the Rust core took would have handed a running request's rows to it; the counts are checked there
+    too, and the mirror lost, so nothing is offered and the tail is not movable."""
+    from vamp_sglang.integration import compaction
+
+    cache, step, replay, histories, rng = filled()
+    core = cache.tree_core
+    leaf = next(iter(core.evictable_device_leaves))
+    super(type(core), core).inc_lock_ref(leaf.id)  # the Rust core's lock alone
+    assert core.unlocked_device_values() == []
+    assert "the mirror holds" in core.vamp_lost
+    assert not compaction.tail_is_movable(cache, replay.allocator, 0)
+    assert serve(replay, step, histories, rng, 20) > 0

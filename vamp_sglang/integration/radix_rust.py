@@ -15,9 +15,9 @@ HiCache and hybrid states need the Python core; `--vamp-tree-core auto` picks pe
 Every change to the mirror is counted (`vamp_changes`), so the eviction right after a decision takes the victims
 the decision's walk named (`hand_over`) while nothing changed. If the mirror fails to follow (an error in our code,
 a node that frees other than the mirror holds), VAMP's order ends on this tree and the Rust core's own LRU order
-evicts from then on (`_lose`). Naming a node that is no leaf would panic the Rust core for good, so each eviction
-first checks the mirror's evictable and protected tokens against the Rust core's (O(1)): a missed node or lock ends
-VAMP's order. On an EAGLE tree (bigram keys) the mirror reads a match's token key as the bigram key it stands for.
+evicts from then on (`_lose`). A node wrongly named unlocked leaf would panic the Rust core for good (or lose a
+running request's rows to compaction), so the mirror's evictable and protected tokens are checked against the Rust
+core's (O(1)) first. On an EAGLE tree (bigram keys) a match's token key is read as the bigram key it stands for.
 """
 
 from __future__ import annotations
@@ -92,8 +92,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_evictable_tokens = self.vamp_protected_tokens = 0
         self.evictable_device_leaves = _WatchedLeaves(set(), self.vamp_leaf_order)
         self.vamp_evict_request_tokens = 0  # what the eviction SGLang runs now asked for
-        # (changes, priority key, nodes) of the latest decision's walk, taken by the next eviction while both hold
-        self.vamp_victims: tuple[int, Any, list[MirrorNode]] | None = None
+        self.vamp_victims: tuple[int, Any, list[MirrorNode]] | None = None  # (changes, priority key, nodes): hand_over
         self.vamp_insert: Any = None  # the InsertParams of the insert SGLang runs now (it may take several steps)
         self.vamp_lost: str | None = None  # why the mirror stopped following the Rust core (`_lose`); None: it follows
         self.vamp_evicting = False  # the eviction SGLang runs now is in VAMP's order (else the Rust core's own)
@@ -125,8 +124,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
                          "--vamp-tree-core python")
 
     def unlocked_device_values(self) -> list[tuple[int, Any]]:
-        """(node id, its KV indices) of every node no request holds (compaction.py moves their rows in place: the
-        Rust core hands out the tensor it holds, not a copy; tests/test_radix_rust.py checks that it still does)."""
+        """(id, KV indices) of every node no request holds: compaction.py moves their rows in the Rust core's tensor."""
+        self._mirror(self._check_counts)  # a lock it missed would hand a running request's rows over; lost: none
         return [(n.id, self.get_component_device_value(n.id, _FULL)) for n in self.vamp_mirror.values()
                 if n.parent is not None and not n.lock_ref]
 
@@ -185,8 +184,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             self._refile(leaf)
 
     def _refile(self, node: MirrorNode) -> None:
-        """Put `node` in the evictable leaves (re-filed at its statistics) or take it out. Every change to the
-        mirror ends here (a new node, a split, a touch, a lock, a priority, an eviction): it is counted."""
+        """Put `node` in the evictable leaves (re-filed at its statistics) or take it out; every change ends here."""
         self.vamp_changes += 1
         if self._is_leaf(node):
             self.evictable_device_leaves.add(node)
@@ -219,6 +217,12 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
         self.vamp_mirror.clear()
         self.evictable_device_leaves.clear()
         self.vamp_victims, self.vamp_evictable_tokens, self.vamp_protected_tokens = None, 0, 0
+
+    def _check_counts(self) -> None:
+        """Before the mirror names nodes (victims, rows to move): a node it missed or a lock it did not count."""
+        held = (self.vamp_evictable_tokens, self.vamp_protected_tokens)
+        if held != (rust := (self.full_evictable_size(), self.full_protected_size())):
+            raise RuntimeError(f"the mirror holds {held} (evictable, protected) tokens, the Rust core {rust}")
 
     def _mirror(self, update: Any, *args: Any) -> None:
         """`update(*args)` of the mirror unless it is lost; an error loses it (`_lose`), not SGLang's call."""
@@ -287,9 +291,7 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
             return super().evict_device_start(component_type, request_cnt)
         victims, self.vamp_victims = self.vamp_victims, None
         try:
-            held = (self.vamp_evictable_tokens, self.vamp_protected_tokens)
-            if held != (rust := (self.full_evictable_size(), self.full_protected_size())):
-                raise RuntimeError(f"the mirror holds {held} (evictable, protected) tokens, the Rust core {rust}")
+            self._check_counts()
             self.priced_now()  # the step and published priors, as a walk would price them
             if victims is not None and victims[:2] == (self.vamp_changes, self.vamp_priority_key):
                 self.vamp_walk = _HandedOver(self, victims[2])
@@ -351,10 +353,8 @@ class VampRustTreeCore(VampStatistics, RustUnifiedTreeCore):
 
 
 class _HandedOver:
-    """The eviction's victims: a decision's nodes first, each still an evictable leaf, then, if the eviction asks
-    for more, a walk of the kept order from what is left. A parent it frees joins the leaf set at once but the kept
-    order only when the victims run out or the eviction ends (SGLang ends it in a `finally`): most are the
-    decision's next victims, and filing them was a third of the bookkeeping an evicted node cost."""
+    """A decision's nodes (each still an evictable leaf), then a walk of the kept order. A parent it frees joins the
+    leaf set at once, the kept order when the walk starts or the eviction ends: filing them cost a third per victim."""
 
     def __init__(self, core: VampRustTreeCore, nodes: list[MirrorNode]) -> None:
         self.core, self.nodes, self.walk = core, iter(nodes), None
