@@ -5,6 +5,7 @@
 - `tcp`, `keys`, `multinode`: across nodes, TCP with CURVE and a per-deployment key file
   (`python -m vamp_sglang.controller keygen PATH`), chosen and checked by the launcher.
 - `agreement`: `RankController`, the two-phase agreement (`agree_min`, then `all_ok`).
+- `groups`: which ranks hold a round: the TP group, or under DP attention each DP rank's attention-TP group.
 """
 
 from vamp_sglang.controller.agreement import RankController

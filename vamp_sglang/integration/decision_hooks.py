@@ -141,16 +141,15 @@ HOOKS = [
 
 def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     """Build the decision maker once expert memory exists (VAMP on only)."""
-    from sglang.srt.runtime_context import get_parallel
-
     from vamp_sglang.controller import RankController
+    from vamp_sglang.controller.groups import sglang_round_group
     from vamp_sglang.integration.expert_memory_hooks import offload_at_start
 
     memory = runtime.expert_memory
     if memory is None:
         return
-    parallel = get_parallel()
-    controller = RankController.from_env(parallel.tp_rank, parallel.tp_size)
+    group = sglang_round_group()  # the ranks sharing this pool: a DP rank's attention-TP group under DPA
+    controller = RankController.from_env(group.rank, group.world_size, group_id=group.group_id)
     hf_config = scheduler.model_config.hf_config
     top_k = int(getattr(hf_config, "num_experts_per_tok", 0) or getattr(hf_config, "top_k", 2))
     maker = runtime.decision_maker = DecisionMaker(runtime, memory, controller, top_k, runtime.faults)
