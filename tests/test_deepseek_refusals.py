@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from vamp_sglang import launch_server, mla_refusals
+from vamp_sglang import launch_server
 from vamp_sglang.config import ConfigError
+from vamp_sglang.refusals import mla as mla_refusals
 
 
 def _model(tmp_path, **config):

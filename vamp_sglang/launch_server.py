@@ -16,11 +16,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from vamp_sglang import config, hicache_refusals, hybrid_refusals, mla_refusals
+from vamp_sglang import config
 from vamp_sglang.config import ConfigError, VampConfig
 from vamp_sglang.cpu import hybrid_model
 from vamp_sglang.faults import Faults, FaultSpecError
 from vamp_sglang.integration import gpu_flags
+from vamp_sglang.refusals import hicache as hicache_refusals
+from vamp_sglang.refusals import hybrid as hybrid_refusals
+from vamp_sglang.refusals import mla as mla_refusals
 
 PROG = "python -m vamp_sglang.launch_server"
 

@@ -21,7 +21,7 @@ The TP ranks agree on the groups and slots as for a KV offload; SGLang then evic
 still short. Whatever fails in our code falls back to SGLang's eviction for that shortfall.
 
 Configurations refused with VAMP on (by the launcher where a flag names them, else by `check_supported`
-at scheduler start; both word them through vamp_sglang.hybrid_refusals), each with the reason: SGLang's
+at scheduler start; both word them through vamp_sglang.refusals.hybrid), each with the reason: SGLang's
 unified or QSA hybrid pools, MLA/DSA full attention, the extra-buffer state strategy (checkpoints
 inside a sequence, GPU only), int8 state checkpoints and ReplaySSM rings (checkpoints that do not sit
 at a node's end as the pricing assumes).
@@ -37,9 +37,9 @@ import zlib
 from collections import Counter
 from typing import Any
 
-from vamp_sglang import hybrid_refusals
 from vamp_sglang.integration.hooks import Hook
 from vamp_sglang.policy import Snapshot, plan
+from vamp_sglang.refusals import hybrid as hybrid_refusals
 
 logger = logging.getLogger(__name__)
 _deciding: contextvars.ContextVar[bool] = contextvars.ContextVar("vamp_state_deciding", default=False)
@@ -57,7 +57,7 @@ def is_hybrid(scheduler: Any) -> bool:
 
 def check_supported(kvcache: Any, req_to_token_pool: Any, tree_cache: Any) -> None:
     """Refuse hybrid pools and state strategies VAMP does not price or grow (see the module doc), as built;
-    what a flag names is refused earlier by the launcher, in the same words (vamp_sglang.hybrid_refusals)."""
+    what a flag names is refused earlier by the launcher, in the same words (vamp_sglang.refusals.hybrid)."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
 
     mamba = req_to_token_pool.mamba_pool
