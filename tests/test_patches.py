@@ -11,12 +11,13 @@ import subprocess
 
 import sglang
 
-from vamp_sglang.cpu import fp8, hicache, mla, triton_free
+from vamp_sglang.cpu import fp8, hicache, mla, parallel, triton_free
 from vamp_sglang.integration import plugin
 from vamp_sglang.integration.hooks import SGLANG_VERSION
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "patches" / "README.md"
+CPU_HOOKS = triton_free.HOOKS + fp8.HOOKS + mla.HOOKS + hicache.HOOKS + parallel.HOOKS
 ROW = re.compile(r"^\|\s*`(sglang\.[\w.]+)`\s*\|\s*(\w+)\s*\|(.+)\|\s*([\d.]+)\s*\|\s*$")
 
 
@@ -29,13 +30,13 @@ def test_installed_sglang_is_the_pinned_version():
 
 
 def test_every_hook_target_exists_in_installed_sglang():
-    for hook in plugin.all_hooks() + triton_free.HOOKS + fp8.HOOKS + mla.HOOKS + hicache.HOOKS:
+    for hook in plugin.all_hooks() + CPU_HOOKS:
         assert pkgutil.resolve_name(hook.target) is not None, hook.target
 
 
 def test_readme_lists_exactly_the_registered_hooks():
     rows = {(target, kind) for target, kind, _why, _version in _readme_rows()}
-    code = {(h.target, h.kind) for h in plugin.all_hooks() + triton_free.HOOKS + fp8.HOOKS + mla.HOOKS + hicache.HOOKS}
+    code = {(h.target, h.kind) for h in plugin.all_hooks() + CPU_HOOKS}
     assert rows == code, f"patches/README.md out of step: only in README {rows - code}, only in code {code - rows}"
 
 

@@ -199,7 +199,7 @@ def prepare(argv: list[str]) -> Launch:
     if device == "cpu":
         from vamp_sglang import cpu
 
-        env.update(cpu.cpu_environment(sg.tp_size))
+        env.update(cpu.cpu_environment(sg.tp_size * sg.pp_size))  # every stage's ranks need a core entry
         sglang_argv = _with_defaults(sglang_argv, cpu.cpu_server_defaults(sg.model_path) + hicache_refusals.cpu_defaults(sg))
         if hybrid_model.is_hybrid_linear(sg.model_path):  # Qwen3-Next: the flags its CPU path needs
             env.update(hybrid_model.hybrid_cpu_environment(os.environ))

@@ -9,8 +9,9 @@ Four things stop a stock SGLang on CPU (see shared research `sglang-cpu.md`):
   exposes the shim to a plain `python -m sglang.launch_server`.
 - Two OpenMP threads on two busy cores made matmuls about 60x slower, so `OMP_NUM_THREADS=1`
   unless the user chose a count; `--sleep-on-idle` stops the idle scheduler busy-polling a core.
-- With `--tp-size N > 1`, every rank needs an OpenMP core set (`SGLANG_CPU_OMP_THREADS_BIND`, else
-  `numa_utils.init_threads_binding` asserts), and NCCL must be unloadable
+- With more than one rank (`--tp-size` x `--pp-size` > 1), every rank needs an OpenMP core set
+  (`SGLANG_CPU_OMP_THREADS_BIND`: one entry per global device id, which counts every stage's ranks; else
+  `numa_utils.init_threads_binding` asserts, utils/numa_utils.py:463), and NCCL must be unloadable
   (`SGLANG_NCCL_SO_PATH` to a missing file) because this torch is a CUDA build and SGLang would
   otherwise build an NCCL communicator on CPU tensors; it falls back to gloo.
 `TORCHDYNAMO_DISABLE=1` skips a g++ compile of a helper on the first request (start-up 40-57 s
@@ -33,13 +34,14 @@ SHIM_DIR = Path(__file__).resolve().parent / "shim"  # holds the stand-in `sgl_k
 MISSING_NCCL_PATH = str(SHIM_DIR / "no-nccl-in-cpu-mode" / "libnccl.so.2")  # never created
 
 
-def cpu_environment(tp_size: int = 1, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables to set (on top of `base_env`, default os.environ) for a CPU server with tp_size ranks.
+def cpu_environment(world_size: int = 1, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables to set (on top of `base_env`, default os.environ) for a CPU server of `world_size` ranks:
+    tp_size x pp_size (DP attention splits the TP group and adds none; distributed/bootstrap.py:82-87).
 
     Keeps a user's own OMP_NUM_THREADS, SGLANG_CPU_OMP_THREADS_BIND and TORCHDYNAMO_DISABLE.
     """
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"--tp-size must be a positive integer, got {tp_size!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"the rank count (--tp-size x --pp-size) must be a positive integer, got {world_size!r}")
     base = os.environ if base_env is None else base_env
     shim = str(SHIM_DIR)
     rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != shim]
@@ -49,21 +51,21 @@ def cpu_environment(tp_size: int = 1, base_env: Mapping[str, str] | None = None)
         "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS") or "1",
         "TORCHDYNAMO_DISABLE": base.get("TORCHDYNAMO_DISABLE") or "1",
     }
-    if tp_size > 1:
-        bind = base.get("SGLANG_CPU_OMP_THREADS_BIND") or _bind_per_rank(tp_size)
+    if world_size > 1:
+        bind = base.get("SGLANG_CPU_OMP_THREADS_BIND") or _bind_per_rank(world_size)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = bind
         env["SGLANG_NCCL_SO_PATH"] = MISSING_NCCL_PATH
     return env
 
 
-def _bind_per_rank(tp_size: int) -> str:
-    """One core per rank, round-robin over the cores this process may use: "0|1" for TP 2.
+def _bind_per_rank(world_size: int) -> str:
+    """One core per rank, round-robin over the cores this process may use: "0|1" for TP 2 or PP 2.
 
     Without the Intel AMX kernels SGLang only checks that there is one entry per rank; it binds
     nothing, so sharing a core when ranks outnumber cores is harmless.
     """
     cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[rank % len(cores)]) for rank in range(tp_size))
+    return "|".join(str(cores[rank % len(cores)]) for rank in range(world_size))
 
 
 def in_cpu_mode() -> bool:

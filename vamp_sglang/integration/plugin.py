@@ -47,10 +47,15 @@ def scheduler_setups() -> list[Callable[[Any, Any], None]]:
 
 def cpu_hooks() -> list[Hook]:
     """Torch paths for GPU-only call sites (Qwen3-Next's Triton ops, FP8's AMX ops, HiCache's host pool and
-    direct transfers) and torch_native's MLA dispatch (DeepSeek), placed only in CPU mode: GPUs keep their kernels."""
+    direct transfers), torch_native's MLA dispatch (DeepSeek) and the gaps of EP and DP attention on CPU
+    (cpu/parallel.py), placed only in CPU mode: GPUs keep their kernels."""
     from vamp_sglang.cpu import fp8, hicache, in_cpu_mode, mla, triton_free
 
-    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS, *hicache.HOOKS] if in_cpu_mode() else []
+    if not in_cpu_mode():
+        return []
+    from vamp_sglang.cpu import parallel  # imports SGLang's torch_native backend (its class is replaced)
+
+    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS, *hicache.HOOKS, *parallel.HOOKS]
 
 
 def verify_hooks() -> None:
