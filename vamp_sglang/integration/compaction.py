@@ -15,6 +15,7 @@ Such a tail is not movable; the restore waits or evicts instead (docs/hicache.md
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -23,17 +24,41 @@ from vamp_sglang.integration import kv_pool as pools
 from vamp_sglang.integration import radix_tree
 
 
-def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(node id, its KV indices, mask of its rows above `keep_tokens`) for every unlocked tree node holding such
-    rows: only the tree refers to those rows, so they may move while requests run."""
-    held, hicache = [], _held_by_hicache(tree_cache)
-    for node_id, value in radix_tree.tree_core_of(tree_cache).unlocked_device_values():
-        if node_id in hicache or value is None or not value.numel():
-            continue
-        mask = value > keep_tokens
-        if bool(mask.any()):
-            held.append((node_id, value, mask))
-    return held
+def _unlocked_nodes(tree_cache: Any) -> list[tuple[int, torch.Tensor]]:
+    """(node id, its KV indices) of every unlocked tree node that holds rows and no HiCache transfer holds."""
+    hicache = _held_by_hicache(tree_cache)
+    return [(node_id, value) for node_id, value in radix_tree.tree_core_of(tree_cache).unlocked_device_values()
+            if node_id not in hicache and value is not None and value.numel()]
+
+
+def _movable_tail(tree_cache: Any, keep_tokens: int) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    """(node id, its KV indices, mask of its rows above `keep_tokens`, how many) for every unlocked tree node
+    holding such rows: only the tree refers to those rows, so they may move while requests run.
+
+    One batched reduction and one host read for the whole tree: on a GPU the indices are device tensors, and a
+    reduction read back per node is one blocking stream sync each (10^4-10^5 nodes: a scheduler stall of
+    0.1-2 s per restore attempt, and the overlap lost for that step)."""
+    nodes = _unlocked_nodes(tree_cache)
+    if not nodes:
+        return []
+    values = [value for _, value in nodes]
+    lengths = [value.numel() for value in values]  # metadata: no device read
+    above = torch.cat(values) > keep_tokens
+    ends = _on_device(list(itertools.accumulate(lengths)), above.device) - 1
+    at_ends = above.cumsum(0)[ends]  # rows above keep_tokens up to the end of each node
+    counts = torch.diff(at_ends, prepend=at_ends.new_zeros(1)).tolist()  # the one host read
+    masks = torch.split(above, lengths)  # views
+    return [(node_id, value, mask, count)
+            for (node_id, value), mask, count in zip(nodes, masks, counts, strict=True) if count]
+
+
+def _on_device(numbers: list[int], device: torch.device) -> torch.Tensor:
+    """`numbers` as an int64 tensor on `device`; to CUDA from pinned memory without blocking (a copy from
+    pageable memory would synchronise the stream: another blocking wait)."""
+    host = torch.tensor(numbers, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _held_by_hicache(tree_cache: Any) -> set[int]:
@@ -49,12 +74,16 @@ def _held_by_hicache(tree_cache: Any) -> set[int]:
 
 def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
     """Whether every used row above `keep_tokens` belongs to an unlocked tree node (page size 1):
-    then eviction and compaction can free the tail without touching a running request."""
+    then eviction and compaction can free the tail without touching a running request. Each restore attempt
+    asks this: one batched reduction over the tree and one host read."""
     if allocator.page_size != 1:
         return False
     free = allocator.get_all_free_pages()
-    used_above = (int(allocator.size) - keep_tokens) - int((free > keep_tokens).sum())
-    return used_above == sum(int(mask.sum()) for _, _, mask in _movable_tail(tree_cache, keep_tokens))
+    nodes = _unlocked_nodes(tree_cache)
+    movable = (torch.cat([value for _, value in nodes]) > keep_tokens).sum().to(free.device) if nodes \
+        else torch.zeros((), dtype=torch.int64, device=free.device)
+    free_above, movable_rows = torch.stack([(free > keep_tokens).sum(), movable]).tolist()  # the one host read
+    return (int(allocator.size) - keep_tokens) - free_above == movable_rows
 
 
 def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int) -> int:
@@ -68,19 +97,21 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     held = _movable_tail(tree_cache, keep_tokens)
     if not held:
         return 0
-    src = torch.cat([value[mask] for _, value, mask in held])
+    rows = sum(count for *_, count in held)
     free = allocator.get_all_free_pages()  # the sorted free list and the lazily released ids
     low = free[free <= keep_tokens]
-    if low.numel() < src.numel():
+    if low.numel() < rows:
         return 0
-    dst = low[: src.numel()].to(src.dtype)
+    values = [value for _, value, _, _ in held]
+    index = torch.cat(values)  # a copy: rewritten below, then written back
+    where = torch.cat([mask for _, _, mask, _ in held]).nonzero_static(size=rows).squeeze(1)  # no host read
+    src = index[where]
+    dst = low[:rows].to(src.dtype)
     for buffer in pools.sglang_buffers(kv_pool):  # [rows, heads, head_dim] per layer (NHD; MLA: heads 1)
         buffer[dst] = buffer[src]
-    offset = 0
-    for _, value, mask in held:  # in place: the tree's own index tensor (SGLang's Rust core hands out its own too)
-        count = int(mask.sum())
-        value[mask] = dst[offset: offset + count]
-        offset += count
+    index[where] = dst
+    for value, moved in zip(values, torch.split(index, [value.numel() for value in values]), strict=True):
+        value.copy_(moved)  # in place: the tree's own index tensor (SGLang's Rust core hands out its own too)
     allocator.free_pages = torch.cat([free[~torch.isin(free, dst)], src.to(free.dtype)])
     if allocator.release_pages is not None:
         allocator.release_pages = allocator.release_pages[:0]  # merged into free_pages above
