@@ -11,7 +11,7 @@ EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
 .PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision \
-	bench-staging bench-staging-server cachesim cachesim-figures
+	bench-staging bench-staging-server cachesim cachesim-figures bench-host-experts bench-decode-cost
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -68,3 +68,17 @@ cachesim-figures: model
 		$(CACHESIM_SWEEP) --trace $(RESULTS)/cachesim/$$trace.jsonl --json $(RESULTS)/cachesim/$$trace-all.json \
 			--plot docs/img/cachesim-$$trace.png || exit 1; \
 	done
+
+# Decode cost on real GPUs by staging mode (issue 49). bench-host-experts times one expert's matmuls on one
+# core of this CPU (bf16 and fp32, 1-64 tokens; median of repeated rounds, the machine is shared);
+# bench-decode-cost replays the routing traces in ../shared/research/routing-data (read in place) and
+# `uniform` through VAMP's layout and routed-staging code, prices them for each GPU profile, and writes the
+# JSON (+ details) and the plot (docs: docs/staging.md).
+DECODE_COST = $(RESULTS)/decode_cost
+bench-host-experts: install
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_host_experts --repeats 15 --json $(DECODE_COST)/host_experts.json
+
+bench-decode-cost: install
+	@test -f $(DECODE_COST)/host_experts.json || $(MAKE) bench-host-experts
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_decode_cost --profile h100-pcie,h200 --json $(DECODE_COST)/decode_cost.json \
+		--plot $(DECODE_COST)/decode_cost.png

@@ -41,6 +41,15 @@ _QWEN3_NEXT = {
     "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_num_value_heads": 32,
     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 151936,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B, the same text model): its `text_config`, Qwen3-Next's hybrid layout
+# (3 Gated DeltaNet layers, then 1 full-attention layer) with 256 experts, top-8, over 40 layers.
+_QWEN3_6_35B = {
+    "model_type": "qwen3_5_moe_text", "num_hidden_layers": 40, "hidden_size": 2048, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "vocab_size": 248320, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 _QWEN3_30B = {**_QWEN3_MOE, "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 6144,
               "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
               "num_attention_heads": 32, "num_key_value_heads": 4}
@@ -62,6 +71,7 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": _QWEN3_NEXT,
     "qwen3-next-80b-a3b-fp8": _qwen_fp8(_QWEN3_NEXT, ("mlp.gate", "mlp.shared_expert_gate",
                                                       "linear_attn.in_proj_ba")),
+    "qwen3.6-35b-a3b": _QWEN3_6_35B,
     "qwen3-30b-a3b": _QWEN3_30B,
     "qwen3-30b-a3b-fp8": _qwen_fp8(_QWEN3_30B, ("mlp.gate",)),
     "qwen3-235b-a22b": _QWEN3_235B,
