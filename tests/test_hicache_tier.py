@@ -15,11 +15,45 @@ def _host_pool(tokens=64, per_token=32):
 
 def test_the_budget_refusal_names_both_sizes():
     with pytest.raises(HostBudgetError) as err:
-        check_host_budget(3 * GIB, 5 * GIB, 4 * GIB)
+        check_host_budget(3 * GIB, 5 * GIB, 0, 4 * GIB)
     message = str(err.value)
     assert "3.00 GiB" in message and "5.00 GiB" in message and "--hicache-ratio" in message
     assert "--vamp-max-offload-ratio" in message
-    check_host_budget(3 * GIB, 4 * GIB, 4 * GIB)  # fits exactly
+    check_host_budget(3 * GIB, 4 * GIB, 0, 4 * GIB)  # fits exactly
+    check_host_budget(3 * GIB, 5 * GIB, 1 * GIB, 4 * GIB)  # 1 GiB of the pool is already resident
+
+
+def _scheduler(host_pool):
+    controller = SimpleNamespace(mem_pool_host=host_pool, write_policy="write_through")
+    return SimpleNamespace(tree_cache=SimpleNamespace(cache_controller=controller),
+                           token_to_kv_pool_allocator=SimpleNamespace(device="cpu"))
+
+
+def test_a_pool_sglang_page_locked_is_not_counted_twice(monkeypatch):
+    """Issue 48 defect 4: on CUDA SGLang page-locks its host pool (`cudaHostRegister` through its own
+    `_cuda_host_register`, here over a stand-in cudart) before VAMP's check runs, and pinning faults every page
+    in, so the available memory the check reads already excludes the pool. The machine had room for 1.5 pools
+    before, 0.5 after: a start SGLang's own check admitted must start. The same pool not registered (CPU mode)
+    is still to come, and against the same available memory it is refused."""
+    from sglang.srt.mem_cache import host_memory
+    from sglang.srt.mem_cache.pool_host import common
+
+    from vamp_sglang.cpu import hicache as cpu_hicache
+
+    pool_bytes = 4096 * 256
+    monkeypatch.setattr(host_memory, "available_host_memory_bytes", lambda **kwargs: pool_bytes // 2)
+    monkeypatch.setattr(hicache_tier, "_tier", None)
+    monkeypatch.setattr(cpu_hicache, "LOAD_OBSERVERS", [])
+    cudart = SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: 0, cudaGetErrorString=str)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pinned = _host_pool(tokens=4096, per_token=256)
+    common._cuda_host_register(pinned.kv_buffer)
+    runtime = SimpleNamespace(expert_memory=None, extensions=[])
+    hicache_tier.setup_scheduler(_scheduler(pinned), runtime)
+    assert runtime.host_tier.host_pool_bytes == pool_bytes and runtime.extensions == [runtime.host_tier]
+    with pytest.raises(HostBudgetError, match="HiCache's host KV pool"):
+        hicache_tier.setup_scheduler(_scheduler(_host_pool(tokens=4096, per_token=256)),
+                                     SimpleNamespace(expert_memory=None, extensions=[]))
 
 
 def test_probe_measures_a_rate_and_hicache_loads_refine_it():
