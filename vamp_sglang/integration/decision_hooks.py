@@ -143,6 +143,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     """Build the decision maker once expert memory exists (VAMP on only)."""
     from vamp_sglang.controller import RankController
     from vamp_sglang.controller.groups import sglang_round_group
+    from vamp_sglang.integration import dp_peers
     from vamp_sglang.integration.expert_memory_hooks import offload_at_start
 
     memory = runtime.expert_memory
@@ -157,3 +158,4 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
         offload_at_start(memory, maker.rounds, runtime.config.initial_offload_ratio)
         maker.inputs.refresh_view()
     runtime.extensions.append(maker)
+    dp_peers.watch(lambda: memory.offloaded_groups)  # the MLP-sync column other DP ranks read

@@ -59,18 +59,19 @@ def _lookup(stats: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
 
 
 class VampMetrics:
-    """The series for one scheduler process, labelled with its TP rank."""
+    """The series for one scheduler process, labelled with its TP rank and its DP rank (under DP attention
+    each DP rank has its own pool and decides alone; 0 without data parallelism)."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, tp_rank: int, dp_rank: int | None = None) -> None:
         from prometheus_client import Counter, Gauge  # lazy: needs PROMETHEUS_MULTIPROC_DIR set first
 
-        labels = {"tp_rank": str(tp_rank)}
+        labels = {"tp_rank": str(tp_rank), "dp_rank": str(dp_rank or 0)}
         self._gauges = [
             (Gauge(name, doc, labelnames=list(labels), multiprocess_mode="mostrecent").labels(**labels), path)
             for name, doc, path in GAUGES
         ]
         self._decisions = Counter(
-            "vamp:decisions", "VAMP decisions at KV shortfalls, by action", labelnames=["tp_rank", "action"]
+            "vamp:decisions", "VAMP decisions at KV shortfalls, by action", labelnames=[*labels, "action"]
         )
         self._labels = labels
         self._published: dict[str, int] = {}

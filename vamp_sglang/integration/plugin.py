@@ -22,10 +22,17 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import decision_hooks, expert_memory_hooks, hicache_tier, hybrid, runtime
+    from vamp_sglang.integration import (
+        decision_hooks,
+        dp_peers,
+        expert_memory_hooks,
+        hicache_tier,
+        hybrid,
+        runtime,
+    )
 
     return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory_hooks.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS,
-            *hicache_tier.HOOKS]
+            *hicache_tier.HOOKS, *dp_peers.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
@@ -72,7 +79,10 @@ def _after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any
     config = VampConfig.from_env()
     assert config is not None, "the plugin registers this hook only when the launcher enabled VAMP"
     verify_hooks()
-    state = runtime.attach(scheduler, config, get_parallel().tp_rank, get_observability().enable_metrics)
+    from vamp_sglang.controller.groups import sglang_round_group
+
+    state = runtime.attach(scheduler, config, get_parallel().tp_rank, get_observability().enable_metrics,
+                           sglang_round_group().dp_rank)
     for setup in scheduler_setups():
         setup(scheduler, state)
 

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from vamp_sglang.integration import compaction
+from vamp_sglang.integration import compaction, dp_peers
 from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class RestoreTrigger:
             tail_free=memory.restorable_groups() >= groups,
             can_compact=compaction.tail_is_movable(scheduler.tree_cache, allocator, keep_tokens),
             used_state_slots=used_states, keep_state_slots=keep_states, evictable_states=evictable_states,
-            reserve_tokens=running_reserve_tokens(scheduler))
+            reserve_tokens=running_reserve_tokens(scheduler), peer_offloaded_groups=dp_peers.peer_offloaded_groups())
         chosen = plan_restore(state)
         if not chosen.groups:  # the decision log records attempts only: say why there was none
             logger.debug("vamp: no restore at step %d: %s", runtime.step, chosen.reason)

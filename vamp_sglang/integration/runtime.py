@@ -33,10 +33,12 @@ _INTERNAL_STATE = (
 class VampRuntime:
     """Per scheduler process: settings, counters, and the parts later hooks consult."""
 
-    def __init__(self, scheduler: Any, config: VampConfig, tp_rank: int, enable_metrics: bool) -> None:
+    def __init__(self, scheduler: Any, config: VampConfig, tp_rank: int, enable_metrics: bool,
+                 dp_rank: int | None = None) -> None:
         self.scheduler = scheduler
         self.config = config
         self.tp_rank = tp_rank
+        self.dp_rank = dp_rank  # the DP rank whose pool this process holds (None: no data parallelism)
         self.baseline_tokens = int(scheduler.max_total_num_tokens)
         self.decisions: Counter[str] = Counter({action: 0 for action in ACTIONS})
         self.preemptions_avoided = 0
@@ -52,7 +54,7 @@ class VampRuntime:
         if enable_metrics:
             from vamp_sglang.integration.metrics import VampMetrics
 
-            self.metrics = VampMetrics(tp_rank)
+            self.metrics = VampMetrics(tp_rank, dp_rank)
 
     @property
     def step(self) -> int:
@@ -99,6 +101,7 @@ class VampRuntime:
             "enabled": self.config.enabled,
             "policy": self.config.policy,
             "tp_rank": self.tp_rank,
+            "dp_rank": self.dp_rank,
             "step": self.step,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "kv_pool": self.kv_pool_stats(),
@@ -133,10 +136,11 @@ def current() -> VampRuntime | None:
 
 
 # --- hooks ---------------------------------------------------------------------------------------
-def attach(scheduler: Any, config: VampConfig, tp_rank: int, enable_metrics: bool) -> VampRuntime:
+def attach(scheduler: Any, config: VampConfig, tp_rank: int, enable_metrics: bool,
+           dp_rank: int | None = None) -> VampRuntime:
     """Create this process's runtime (plugin.py calls this once per scheduler)."""
     global _current
-    scheduler.vamp_runtime = _current = VampRuntime(scheduler, config, tp_rank, enable_metrics)
+    scheduler.vamp_runtime = _current = VampRuntime(scheduler, config, tp_rank, enable_metrics, dp_rank)
     return _current
 
 

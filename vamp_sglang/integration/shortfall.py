@@ -50,7 +50,7 @@ class DecisionMaker:
         self.top_k = top_k
         self.faults = faults
         self.config = runtime.config
-        self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank))
+        self.log = DecisionLog(path=decision_log_path(self.config.decision_log, controller.rank, runtime.dp_rank))
         self.counts = {"errors": 0, "offload_failures": 0, "admission_offloads": 0, "admission_refusals": 0,
                        "restore_failures": 0, "log_errors": 0}
         self._logged_errors: set[str] = set()
@@ -71,7 +71,7 @@ class DecisionMaker:
         logged snapshot replays to the same plan with `python -m vamp_sglang.policy explain`."""
         from sglang.srt.environ import envs
 
-        from vamp_sglang.integration import hicache_tier, radix_eviction
+        from vamp_sglang.integration import dp_peers, hicache_tier, radix_eviction
 
         victims = self._preempt_candidates(list(batch.reqs), int(tree_cache.token_to_kv_pool_allocator.page_size)) \
             if site == "decode" and batch is not None else []
@@ -92,6 +92,7 @@ class DecisionMaker:
             tpot_guard_groups=self.inputs.guard_cap_groups(),
             host_load_us_per_token=self.inputs.host_load_us_per_token(hicache_tier.current()),
             host_write_back=bool(getattr(hicache_tier.current(), "write_back", False)),
+            dp_step=dp_peers.dp_step(self.memory.offloaded_groups),
         )
 
     def offload_state(self, gains_by_groups: tuple[int, ...], batch: Any) -> OffloadState:
@@ -261,6 +262,9 @@ class DecisionMaker:
         }
 
 
-def decision_log_path(path: str | None, tp_rank: int) -> str | None:
-    """Rank 0 writes PATH, rank r > 0 writes PATH.rank<r>: ranks decide alike, and the files show it."""
-    return path if path is None or tp_rank == 0 else f"{path}.rank{tp_rank}"
+def decision_log_path(path: str | None, tp_rank: int, dp_rank: int | None = None) -> str | None:
+    """Rank 0 writes PATH, rank r > 0 writes PATH.rank<r>: ranks decide alike, and the files show it. Under DP
+    attention `tp_rank` is the attention-TP rank and DP rank d > 0 adds .dp<d>: each DP rank decides alone."""
+    if path is None:
+        return None
+    return path + (f".dp{dp_rank}" if dp_rank else "") + (f".rank{tp_rank}" if tp_rank else "")

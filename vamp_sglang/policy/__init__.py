@@ -9,12 +9,14 @@ from vamp_sglang.policy.costs import (
     QueueDelayEstimator,
     cached_block_cost_s,
     combined_cost_s,
+    dp_charged_groups,
     offload_cost_s,
     preempt_cost_s,
     reuse_probability,
 )
 from vamp_sglang.policy.planner import ACTIONS, COST_KEYS, POLICIES, Plan, plan
 from vamp_sglang.policy.snapshot import (
+    DpStep,
     EvictableBlock,
     OffloadState,
     PreemptCandidate,
@@ -23,7 +25,7 @@ from vamp_sglang.policy.snapshot import (
 )
 
 __all__ = [
-    "ACTIONS", "COST_KEYS", "POLICIES", "Coefficients", "EvictableBlock", "OffloadState", "Plan",
+    "ACTIONS", "COST_KEYS", "POLICIES", "Coefficients", "DpStep", "EvictableBlock", "OffloadState", "Plan",
     "PreemptCandidate", "QueueDelayEstimator", "Snapshot", "SnapshotError", "cached_block_cost_s",
-    "combined_cost_s", "offload_cost_s", "plan", "preempt_cost_s", "reuse_probability",
+    "combined_cost_s", "dp_charged_groups", "offload_cost_s", "plan", "preempt_cost_s", "reuse_probability",
 ]

@@ -71,6 +71,9 @@ def _describe(p: Plan, s: Snapshot, policy: str) -> str:
                     f"({s.host_load_us_per_token:g} us/token) in place of the re-prefill"
                     + ("; write-back: the others pay the write of their copy, then the same" if s.host_write_back
                        else ""))
+    if s.dp_step is not None:
+        rows.append(f"DP attention: {s.dp_step.offloaded_groups} groups offloaded here, at most "
+                    f"{s.dp_step.peer_offloaded_groups} on another DP rank; C_e counts only groups above that")
     rows += ["", f"  {'action':<10} {'cost_s':>12}"]
     for key in COST_KEYS:
         cost = p.costs[key]

@@ -141,6 +141,23 @@ def offload_cost_s(n_groups: int, shards_per_group: int, local_experts: int, top
     return min(n_cand, local_experts) * c_eff_s * w_steps
 
 
+def dp_charged_groups(n_groups: int, offloaded_groups: int, peer_offloaded_groups: int) -> int:
+    """The n_cand of Eq. 3 under DP attention: only the groups that lengthen the global step.
+
+    Every DP rank joins every MoE layer each step (a rank with no batch runs an idle one), and the step
+    ends at the MoE all-reduce, so its staging wait is the slowest rank's: that of the most groups any
+    DP rank has offloaded, since each rank stages only its own offloaded experts' shards (the same count
+    of shards per group on every rank). Offloading n more groups here raises that most from
+    max(own, peers) to max(own + n, peers): the rank pays C_e only for what it adds above the peers,
+    max(0, own + n - max(own, peers)), and nothing while it stays at or below the most a peer offloaded.
+    With no peer ahead (or without DP attention) this is n, and C_e is Eq. 3 as the paper has it.
+    """
+    if min(n_groups, offloaded_groups, peer_offloaded_groups) < 0:
+        raise ValueError(f"dp_charged_groups needs counts >= 0 (got {n_groups!r}, {offloaded_groups!r}, "
+                         f"{peer_offloaded_groups!r})")
+    return max(0, offloaded_groups + n_groups - max(offloaded_groups, peer_offloaded_groups))
+
+
 def preempt_cost_s(partial_tokens_per_victim: Sequence[int], c: Coefficients) -> float:
     """Eqs. 4 and 5: C_p^(1) = t_sched + t_queue + n_partial * t_prefill, C_p = C_p^(1) * G.
 

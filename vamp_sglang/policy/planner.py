@@ -31,6 +31,7 @@ from vamp_sglang.policy.costs import (
     Coefficients,
     cached_block_cost_s,
     combined_cost_s,
+    dp_charged_groups,
     host_copy_block_cost_s,
     offload_cost_s,
     preempt_cost_s,
@@ -164,8 +165,10 @@ def _evict(s: Snapshot, totals: _Totals) -> _Option | None:
 
 
 def _offload_price(s: Snapshot, c: Coefficients, groups: int) -> float:
-    o = s.offload
-    return offload_cost_s(groups, o.shards_per_group, o.local_experts, o.top_k, o.decode_budget_min, c)
+    """Eq. 3; under DP attention only the groups above the other DP ranks' offloads lengthen the step."""
+    o, dp = s.offload, s.dp_step
+    charged = groups if dp is None else dp_charged_groups(groups, dp.offloaded_groups, dp.peer_offloaded_groups)
+    return offload_cost_s(charged, o.shards_per_group, o.local_experts, o.top_k, o.decode_budget_min, c)
 
 
 def _allowed_groups(s: Snapshot, c: Coefficients) -> list[int]:

@@ -10,6 +10,10 @@ functions of a `RestoreState` so every restore is logged and replayed like a sho
 - busy, over the TPOT SLO (`--vamp-tpot-slo-ms`): decode has stayed above it while offloaded.
 - idle: no request at all for `IDLE_RESTORE_S` seconds of wall-clock time (never scheduler polls,
   which come every second with --sleep-on-idle and thousands of times a second without it).
+Under DP attention the step waits for the DP rank that stages most (costs.dp_charged_groups), so a restore over
+the SLO shortens it only on a rank that has offloaded at least as many groups as any other DP rank (on a tie
+every rank at the top restores alike); a rank below that keeps its groups, as restoring them would give up
+KV rows and buy no step time. Calm and idle restores are about memory, and stay per rank.
 In the last two, the cached prefixes that do not fit the smaller pool are evicted cheapest first.
 A restore goes ahead only if that and compaction free every row it drops (no running request may
 hold a tail row), so no prefix is evicted for a restore that cannot happen. A busy restore also
@@ -49,6 +53,7 @@ class RestoreState:
     keep_state_slots: int = 0  # the state pool size once the step is back (= its size if it keeps it)
     evictable_states: int = 0  # cached states the tree could evict now
     reserve_tokens: int = 0  # rows the running batch needs free after a busy restore (decode, next chunk)
+    peer_offloaded_groups: int | None = None  # DP attention: the most another DP rank had offloaded at the last step
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -84,6 +89,9 @@ def plan_restore(s: RestoreState) -> RestorePlan:
             return RestorePlan(0, 0, False, f"idle for {s.idle_s:.1f} of {IDLE_RESTORE_S:.0f} s")
         why = f"idle for {s.idle_s:.1f} s"
     elif s.tpot_over_slo:
+        if s.peer_offloaded_groups is not None and s.peer_offloaded_groups > s.offloaded_groups:
+            return RestorePlan(0, 0, False, f"decode over the TPOT SLO, but another DP rank stages more "
+                                            f"({s.peer_offloaded_groups} > {s.offloaded_groups} groups)")
         why = "decode over the TPOT SLO"
     elif s.calm_steps >= s.restore_after_steps:
         why = f"calm for {s.calm_steps} steps"

@@ -20,6 +20,7 @@ are remembered (`_overridden`), and so are those that passed (`_VALIDATED`).
      "tpot_guard_groups": int,                                 # optional: --vamp-tpot-slo-ms is on
      "host_load_us_per_token": float,                          # optional: HiCache on (rank-agreed)
      "host_write_back": bool,                                  # optional: HiCache's write-back policy
+     "dp_step": {"offloaded_groups": int, "peer_offloaded_groups": int},  # optional: DP attention
      "coefficients": {VampConfig field name: value, ...}}      # optional overrides
 
 `evictable` lists the radix tree's eviction candidates (whole nodes: evicting one frees all its
@@ -42,6 +43,8 @@ what its next decode step would have allocated. After each retraction SGLang evi
 writes one first, so it costs that write (its tokens at the same per-token rate) plus the host-copy price.
 HiCache agrees its write-backs over the TP group, so ranks see the same copies.
 `tpot_guard_groups` is the most groups the TPOT guard lets this decision offload (policy/tpot_guard).
+`dp_step` (DP attention): the groups this DP rank has offloaded and the most any other DP rank had at the last
+step (SGLang's MLP-sync all-gather); C_e is charged only for groups above the peers' (costs.dp_charged_groups).
 """
 
 from __future__ import annotations
@@ -89,6 +92,12 @@ class OffloadState:
 
 
 @dataclass(frozen=True)
+class DpStep:
+    offloaded_groups: int  # groups this DP rank has offloaded now
+    peer_offloaded_groups: int  # the most any other DP rank had offloaded at the last step
+
+
+@dataclass(frozen=True)
 class PreemptCandidate:
     partial_tokens: int  # n_partial of Eq. 4: what it re-prefills when it comes back
     tokens: int  # rows retracting it frees at once (owned beyond the cache-protected prefix)
@@ -109,6 +118,7 @@ class Snapshot:
     tpot_guard_groups: int | None = None  # the TPOT guard's cap on groups to offload; None: no guard
     host_load_us_per_token: float | None = None  # HiCache: agreed host-to-device load time; None: no host tier
     host_write_back: bool = False  # HiCache's write-back policy: an eviction writes the host copy first
+    dp_step: DpStep | None = None  # DP attention: offloads here and on the other DP ranks; None: no DP attention
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "evictable", tuple(self.evictable))
@@ -135,7 +145,8 @@ class Snapshot:
     @classmethod
     def from_json(cls, d: Any) -> Snapshot:
         top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups",
-                                                             "host_load_us_per_token", "host_write_back"))
+                                                             "host_load_us_per_token", "host_write_back",
+                                                             "dp_step"))
         offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
         offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
@@ -155,6 +166,8 @@ class Snapshot:
             tpot_guard_groups=top.get("tpot_guard_groups"),
             host_load_us_per_token=top.get("host_load_us_per_token"),
             host_write_back=top.get("host_write_back", False),
+            dp_step=None if "dp_step" not in top else DpStep(**_fields(top["dp_step"], "snapshot.dp_step",
+                                                                       _names(DpStep))),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -176,6 +189,8 @@ class Snapshot:
             d["host_load_us_per_token"] = self.host_load_us_per_token
         if self.host_write_back:
             d["host_write_back"] = True
+        if self.dp_step is not None:
+            d["dp_step"] = dataclasses.asdict(self.dp_step)
         return d
 
 
@@ -250,6 +265,9 @@ def _validate(s: Snapshot) -> None:
                             f"(got {s.host_load_us_per_token!r})")
     if not isinstance(s.host_write_back, bool):
         raise SnapshotError(f"snapshot.host_write_back must be true or false (got {s.host_write_back!r})")
+    if s.dp_step is not None:
+        _int(s.dp_step.offloaded_groups, "snapshot.dp_step.offloaded_groups", 0)
+        _int(s.dp_step.peer_offloaded_groups, "snapshot.dp_step.peer_offloaded_groups", 0)
     _validate_coefficients(s.coefficients)
 
 
