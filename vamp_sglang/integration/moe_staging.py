@@ -239,7 +239,10 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
     if experts.layers.get(layer.layer_id) is not layer or not staging_breaks(experts):
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
     check_capture_stream(layer.layer_id)
-    staging_break()(experts.engine, layer.layer_id, routed_ids(*args, **kwargs))
+    topk_ids = routed_ids(*args, **kwargs)
+    if topk_ids is None:  # seen at capture (before any served step) or at the first eager forward
+        experts.engine.chooser.without_routed_ids(layer.layer_id)
+    staging_break()(experts.engine, layer.layer_id, topk_ids)
     out = original(layer, *args, **kwargs)
     experts.engine.after_moe(layer.layer_id)
     return out
@@ -289,8 +292,10 @@ def w2_break() -> Callable[[StagingEngine, int], None]:
 
 
 def routed_ids(dispatch_output: Any = None, **kwargs: Any) -> torch.Tensor | None:
-    """The router's top-k ids `[tokens, k]` in `run_moe_core(dispatch_output)`, or None (formats
-    without them: the layer then stages its whole region)."""
+    """The router's top-k ids `[tokens, k]` in `run_moe_core(dispatch_output)`, or None: SGLang's STANDARD
+    top-k formats carry them; BYPASSED (FlashInfer TRT-LLM and MXFP4 route from the logits in their kernel),
+    TRITON_KERNEL and PACKED do not (sglang/srt/layers/moe/topk.py:346-450). Such a layer stages its whole
+    region, and the chooser then picks whole steps (`StagingChooser.without_routed_ids`)."""
     dispatch_output = kwargs.get("dispatch_output", dispatch_output)
     topk_ids = getattr(getattr(dispatch_output, "topk_output", None), "topk_ids", None)
     return topk_ids if isinstance(topk_ids, torch.Tensor) else None

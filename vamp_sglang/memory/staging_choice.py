@@ -19,12 +19,21 @@ smoothed), at most `pair_within_steps` steps apart. A mode's steady run never re
 other's old sample, whose load may be gone. Each bucket tries routed once after whole, then the faster
 one runs; every `explore_every_steps` steps of the bucket the other one runs once next to it. On CUDA the
 copy engines do not take the SMs, host clocks do not time the device, and the model alone decides.
+
+A layer whose router hands its MoE kernel no expert ids (SGLang's BYPASSED top-k format: FlashInfer TRT-LLM
+routes from the logits inside its kernel) cannot stage routed: in a routed step it would copy its whole region
+at the last moment, unprefetched, while the model above kept pricing the step as routed. Once any eligible
+layer is seen without ids (at graph capture, or the first eager forward), every step is whole.
 """
 
 from __future__ import annotations
 
+import logging
+
 from vamp_sglang.memory.routed import expected_routed_fraction
 from vamp_sglang.policy.calibration import smooth
+
+logger = logging.getLogger(__name__)
 
 STAGING_POLICIES = ("auto", "whole", "routed")
 WHOLE, ROUTED = "whole", "routed"
@@ -56,10 +65,21 @@ class StagingChooser:
         self.routed_ratio = 1.0  # observed distinct offloaded rows / the uniform expectation
         self._window_s: dict[int, float] = {}  # token bucket -> overlap window per eligible layer
         self._last_whole_step: dict[int, int] = {}
+        self.layers_without_ids: set[int] = set()  # eligible layers whose router output has no expert ids
+
+    def without_routed_ids(self, layer_id: int) -> None:
+        """Layer `layer_id`'s MoE kernel gets no expert ids: from now on every step is whole."""
+        if self.policy != WHOLE and not self.layers_without_ids:
+            logger.warning("vamp: MoE layer %d's router output carries no expert ids (a top-k format that routes "
+                           "inside the MoE kernel); staging %s runs whole-region steps instead", layer_id,
+                           self.policy)
+        self.layers_without_ids.add(layer_id)
 
     def choose(self, step: int, tokens: int | None, whole_layer_bytes: int, offloaded_rows: int,
                row_bytes: int) -> str:
         """The mode of a step with `tokens` tokens (None: unknown, whole)."""
+        if self.layers_without_ids:
+            return WHOLE
         if self.policy != "auto":
             return self.policy
         if tokens is None or offloaded_rows == 0:
