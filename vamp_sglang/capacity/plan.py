@@ -16,11 +16,19 @@ server runs (vamp_sglang.memory.geometry / layout):
   before its MoE kernel, whatever the router picks (paper IV-D), i.e. the reclaimed bytes; the TPOT
   bound is max(decode step time, staged bytes / host-to-device bandwidth).
 
+Under DP attention (`dp` > 1, SGLang's `--enable-dp-attention --dp-size dp`) each DP rank has its own pool and
+the attention layers split over its attention-TP group (tp / dp ranks), the experts over the whole TP group. A
+KV row is then replicated only within that group: MLA's latent is whole on every rank either way, so with
+attention-TP 1 each rank's pool holds tokens no other rank holds and the deployment holds dp times one pool
+(`deployment_tokens`), where under TP every rank holds the same tokens. MHA's KV heads split over attention-TP
+only. Each rank also holds more attention weights (every head at attention-TP 1), which the start-up pool pays.
+
 Arithmetic only: nothing here touches torch or SGLang.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +60,17 @@ class Deployment:
     max_total_tokens: int | None = None  # SGLang --max-total-tokens
     kv_pool_gib: float | None = None  # a measured start-up pool per GPU, instead of the estimate
     page_bytes: int = PAGE_BYTES
+    dp: int = 1  # DP attention degree (--enable-dp-attention --dp-size); 1: none
+
+    @property
+    def attn_tp(self) -> int:
+        """The attention-TP group: the ranks that share one DP rank's pool (and replicate its KV rows)."""
+        return self.tp // self.dp
+
+    @property
+    def pools(self) -> int:
+        """Pools holding distinct tokens: one per DP rank (under plain TP every rank holds the same)."""
+        return self.dp
 
 
 @dataclass(frozen=True)
@@ -86,9 +105,15 @@ class CapacityModel:
     @classmethod
     def build(cls, config: Mapping[str, Any], deployment: Deployment) -> CapacityModel:
         d = deployment
+        if d.dp < 1 or d.tp % d.dp:
+            raise CapacityError(f"--dp {d.dp} must divide --tp {d.tp} (DP attention splits the TP ranks into "
+                                "DP ranks of tp / dp attention-TP ranks each)")
         geo = geometry_from_config(config, d.tp, d.dtype)
+        if d.dp > 1 and not geo.mla_latent_dim:  # KV heads split over attention-TP only
+            geo = dataclasses.replace(geo, kv_heads_per_rank=geometry_from_config(
+                config, d.attn_tp, d.dtype).kv_heads_per_rank)
         expert = geo.expert_bytes_per_layer * len(geo.moe_layer_ids)
-        dense = dense_weight_bytes(config, d.tp, d.dtype)
+        dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp)
         kv_token = geo.kv_bytes_per_token
         if d.kv_pool_gib is not None:
             tokens, source = math.floor(d.kv_pool_gib * GIB / kv_token), "measured"

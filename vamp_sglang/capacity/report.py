@@ -15,9 +15,10 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
     d, geo, base = model.deployment, model.geometry, model.baseline
     lay = model.layout(0.0)
     baseline = {"kv_pool_gib_per_gpu": _gib(base.pages_per_buffer * model.kv_buffers * d.page_bytes),
-                "kv_pool_tokens": base.tokens, "source": base.source, "tpot_bound_ms": d.decode_ms}
+                "kv_pool_tokens": base.tokens, "deployment_tokens": base.tokens * d.pools, "source": base.source,
+                "tpot_bound_ms": d.decode_ms}
     report: dict[str, Any] = {
-        "model": name, "tp": d.tp, "gpu_mem_gib": d.gpu_mem_gib, "mem_fraction": d.mem_fraction,
+        "model": name, "tp": d.tp, "dp": d.dp, "attention_tp": d.attn_tp, "gpu_mem_gib": d.gpu_mem_gib, "mem_fraction": d.mem_fraction,
         "dtype": d.dtype, "h2d_gbps": d.h2d_gbps, "decode_ms": d.decode_ms, "page_size": d.page_size,
         "geometry": {"local_experts": geo.local_experts, "group_experts": lay.group_experts,
                      "groups_per_layer": lay.groups_per_layer, "eligible_layers": len(lay.eligible_layer_ids),
@@ -35,6 +36,7 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
             "offload_ratio": round(p.offloaded_groups * lay.group_experts / geo.local_experts, 6),
             "reclaimed_gib_per_gpu": _gib(p.reclaimed_bytes), "reclaimed_bytes_per_gpu": p.reclaimed_bytes,
             "kv_pool_gib_per_gpu": _gib(p.kv_pool_bytes), "kv_pool_tokens": p.kv_pool_tokens,
+            "deployment_tokens": p.kv_pool_tokens * d.pools,
             "staged_bytes_per_step": p.staged_bytes_per_step, "staged_gib_per_step": _gib(p.staged_bytes_per_step),
             "tpot_bound_ms": round(p.tpot_bound_ms, 3)}
     if sessions is not None:
@@ -62,6 +64,9 @@ def format_table(report: dict[str, Any]) -> str:
              f"weights {geo['dense_weight_gib_per_gpu']:.2f} GiB per GPU; groups of {geo['group_experts']} "
              f"experts, {geo['eligible_layers']} eligible layers"),
              f"staging at {report['h2d_gbps']} GB/s host-to-device, decode step {report['decode_ms']} ms"]
+    if report["dp"] > 1:
+        lines.append(f"DP attention: {report['dp']} DP ranks of attention-TP {report['attention_tp']}, one pool each "
+                     f"(pool tokens per DP rank; the deployment holds {report['dp']} x as many distinct tokens)")
     trace = "sessions_held" in b
     head = f"{'ratio':>8} {'groups':>6} {'reclaimed GiB':>13} {'pool GiB':>9} {'pool tokens':>12} " \
            f"{'staged GiB/step':>15} {'TPOT bound ms':>13}" + (f" {'sessions':>8}" if trace else "")

@@ -4,7 +4,11 @@ Why: the KV pool at start is what the memory budget leaves after the weights (th
 baseline, before any expert leaves), and with FP8 checkpoints most of those weights are 1 byte per element.
 
 Each linear layer is priced on its per-rank shape: column-parallel layers split their output rows over the
-TP ranks, row-parallel ones their input columns, replicated ones neither. A layer the config's block-FP8
+TP ranks, row-parallel ones their input columns, replicated ones neither. Under DP attention the attention
+layers (MLA's projections, Qwen3-Next's linear attention too) split over the attention-TP group only
+(tp / dp ranks: with attention-TP 1 each rank holds every head), while the experts, shared experts, dense MLP
+layers and the vocab-parallel embeddings and LM head keep the whole TP group (SGLang's defaults, without
+`--enable-dp-lm-head` or a fully data-parallel dense FFN). A layer the config's block-FP8
 `quantization_config` converts (not in its `modules_to_not_convert`) is float8_e4m3fn plus one float32
 scale per 128x128 block of the per-rank shape; the others are the model dtype. Never FP8, as in SGLang:
 embeddings and LM head (vocab-parallel), the MoE routers, Qwen's shared-expert gate and Qwen3-Next's conv1d.
@@ -27,33 +31,40 @@ from vamp_sglang.memory.geometry import (
 )
 
 
-def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str) -> int:
+def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn_tp_size: int | None = None) -> int:
     """Embeddings and LM head, attention (heads split, KV heads replicated below tp; MLA's low-rank
-    projections), Qwen3-Next's linear-attention layers, shared experts, routers and dense MLP layers."""
+    projections), Qwen3-Next's linear-attention layers, shared experts, routers and dense MLP layers.
+    `attn_tp_size` (DP attention: tp / dp) is the group the attention layers split over; None: the TP group."""
     geo = geometry_from_config(config, tp_size, dtype)
     quant = weight_quant_from_config(config)
     element = DTYPE_BYTES[dtype]
-    hidden, tp = geo.hidden_size, tp_size
+    hidden, tp, attn_tp = geo.hidden_size, tp_size, attn_tp_size or tp_size
+    attn_geo = geo if attn_tp == tp else geometry_from_config(config, attn_tp, dtype)
 
-    def linear(module: str, rows: int, cols: int, split: str = "column") -> int:
-        """One [rows, cols] weight on this rank; `split` is column (rows / tp), row (cols / tp) or none."""
-        rows, cols = (rows // tp, cols) if split == "column" else (rows, cols // tp) if split == "row" else (rows, cols)
-        if quant is not None and quant.converts(module):
-            return rows * cols + quant.scale_bytes(rows, cols)
-        return rows * cols * element
+    def split_over(parts: int):
+        def linear(module: str, rows: int, cols: int, split: str = "column") -> int:
+            """One [rows, cols] weight on this rank; `split` is column (rows / parts), row (cols / parts) or none."""
+            rows, cols = (rows // parts, cols) if split == "column" else (rows, cols // parts) if split == "row" \
+                else (rows, cols)
+            if quant is not None and quant.converts(module):
+                return rows * cols + quant.scale_bytes(rows, cols)
+            return rows * cols * element
+        return linear
+
+    linear, attn_linear = split_over(tp), split_over(attn_tp)
 
     vocab = config_int(config, "vocab_size")
     total = (vocab * hidden // tp * element) * (1 if config.get("tie_word_embeddings") else 2)
     if geo.mla_latent_dim:
-        total += len(geo.kv_layer_ids) * _mla_attention(config, hidden, linear)
+        total += len(geo.kv_layer_ids) * _mla_attention(config, hidden, attn_linear)
     else:
         heads = config_int(config, "num_attention_heads")
         q_gate = 2 if config.get("model_type") == "qwen3_next" else 1  # Qwen3-Next gates attention output by q
-        kv_rows = geo.kv_heads_per_rank * geo.head_dim * tp  # k (and v) rows before the split
+        kv_rows = attn_geo.kv_heads_per_rank * geo.head_dim * attn_tp  # k (and v) rows before the split
         total += len(geo.kv_layer_ids) * (
-            linear("self_attn.q_proj", heads * geo.head_dim * q_gate, hidden)
-            + linear("self_attn.k_proj", kv_rows, hidden) + linear("self_attn.v_proj", kv_rows, hidden)
-            + linear("self_attn.o_proj", hidden, heads * geo.head_dim, "row"))
+            attn_linear("self_attn.q_proj", heads * geo.head_dim * q_gate, hidden)
+            + attn_linear("self_attn.k_proj", kv_rows, hidden) + attn_linear("self_attn.v_proj", kv_rows, hidden)
+            + attn_linear("self_attn.o_proj", hidden, heads * geo.head_dim, "row"))
     linear_layers = geo.num_layers - len(geo.kv_layer_ids)
     if linear_layers:  # Qwen3-Next Gated DeltaNet: qkvz and ba projections, conv, output projection
         key = config_int(config, "linear_num_key_heads") * config_int(config, "linear_key_head_dim")
@@ -61,10 +72,10 @@ def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str) -> i
         kernel = int(config.get("linear_conv_kernel_dim", 4))
         heads_v = config_int(config, "linear_num_value_heads")
         total += linear_layers * (
-            linear("linear_attn.in_proj_qkvz", 2 * key + 2 * value, hidden)
-            + linear("linear_attn.in_proj_ba", 2 * heads_v, hidden)
-            + (2 * key + value) * kernel // tp * element  # conv1d: never quantised
-            + linear("linear_attn.out_proj", hidden, value, "row"))
+            attn_linear("linear_attn.in_proj_qkvz", 2 * key + 2 * value, hidden)
+            + attn_linear("linear_attn.in_proj_ba", 2 * heads_v, hidden)
+            + (2 * key + value) * kernel // attn_tp * element  # conv1d: never quantised
+            + attn_linear("linear_attn.out_proj", hidden, value, "row"))
     moe_layers = len(geo.moe_layer_ids)
     shared = _shared_expert_intermediate(config)
     router = geo.local_experts * hidden * element  # replicated, model dtype
