@@ -126,6 +126,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-duration-s", type=float, help="stop issuing new turns after this many seconds")
     parser.add_argument("--no-exact-output", dest="exact_output", action="store_false",
                         help="let answers stop at EOS (default: exactly --output-tokens / the trace's count)")
+    parser.add_argument("--dp-sticky", type=int, default=0, metavar="N",
+                        help="DP attention: keep each session on one of N DP ranks (routed_dp_rank by session hash)")
+    parser.add_argument("--dp-rank", type=int, help="DP attention: send every session to this DP rank")
 
 
 def specs_from_args(args: argparse.Namespace, url: str) -> tuple[BenchSpec, ReplayOptions]:
@@ -133,7 +136,8 @@ def specs_from_args(args: argparse.Namespace, url: str) -> tuple[BenchSpec, Repl
     spec = BenchSpec(args.workload, args.trace, args.scale, args.max_requests, mt, args.vocab_size)
     options = ReplayOptions(url, args.api, max_sessions=args.sessions if args.workload == "trace" else None,
                             time_scale=args.time_scale, max_duration_s=args.max_duration_s,
-                            exact_output=args.exact_output, progress=True)
+                            exact_output=args.exact_output, progress=True, dp_sticky=args.dp_sticky,
+                            dp_rank=args.dp_rank)
     return spec, options.validate()
 
 

@@ -3,12 +3,17 @@
 TTFT is measured at the client, from sending the request to the first chunk that carries a generated
 token (paper section VI-A: "TTFT uses client first-token timestamps"). Greedy decoding
 (temperature 0) keeps answers identical across configurations, which the closed loop depends on.
+
+Under DP attention a prefix hits only on the DP rank whose radix tree holds it, and SGLang 0.5.23 spreads
+requests round robin by default (`--load-balance-method auto`). `routed_dp_rank` (a field of `/generate` and of
+the OpenAI requests) sends a request to one DP rank; `dp_rank_for` picks a session's rank.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +34,19 @@ class Answer:
     output_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+
+
+def dp_rank_for(session: str, dp_ranks: int, pinned: int | None = None) -> int | None:
+    """The DP rank a session's requests go to: `pinned` for every session, else with `dp_ranks` > 1 a stable
+    hash of the session id (crc32: the same in every run and every client process, as a sticky router's),
+    so every turn lands where its previous turns were cached; None leaves the choice to SGLang."""
+    if pinned is not None:
+        return pinned
+    return zlib.crc32(session.encode()) % dp_ranks if dp_ranks > 1 else None
+
+
+def _routed(body: dict[str, Any], routed_dp_rank: int | None) -> dict[str, Any]:
+    return body if routed_dp_rank is None else body | {"routed_dp_rank": routed_dp_rank}
 
 
 async def _sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
@@ -100,9 +118,9 @@ def _on_generate_event(event: dict[str, Any], answer: Answer) -> None:
 
 
 async def generate(http: aiohttp.ClientSession, url: str, input_ids: list[int], max_new_tokens: int,
-                   exact_output: bool = True) -> Answer:
+                   exact_output: bool = True, routed_dp_rank: int | None = None) -> Answer:
     body = {"input_ids": input_ids, "sampling_params": _sampling(max_new_tokens, exact_output), "stream": True}
-    return await _post_stream(http, f"{url}/generate", body, Answer(), _on_generate_event)
+    return await _post_stream(http, f"{url}/generate", _routed(body, routed_dp_rank), Answer(), _on_generate_event)
 
 
 def _on_openai_event(event: dict[str, Any], answer: Answer) -> None:
@@ -132,12 +150,14 @@ def _openai_body(model: str, max_new_tokens: int, exact_output: bool) -> dict[st
 
 
 async def completions(http: aiohttp.ClientSession, url: str, model: str, prompt: str, max_new_tokens: int,
-                      exact_output: bool = True) -> Answer:
+                      exact_output: bool = True, routed_dp_rank: int | None = None) -> Answer:
     body = _openai_body(model, max_new_tokens, exact_output) | {"prompt": prompt}
-    return await _post_stream(http, f"{url}/v1/completions", body, Answer(), _on_openai_event)
+    return await _post_stream(http, f"{url}/v1/completions", _routed(body, routed_dp_rank), Answer(),
+                              _on_openai_event)
 
 
 async def chat(http: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, str]],
-               max_new_tokens: int, exact_output: bool = True) -> Answer:
+               max_new_tokens: int, exact_output: bool = True, routed_dp_rank: int | None = None) -> Answer:
     body = _openai_body(model, max_new_tokens, exact_output) | {"messages": messages}
-    return await _post_stream(http, f"{url}/v1/chat/completions", body, Answer(), _on_openai_event)
+    return await _post_stream(http, f"{url}/v1/chat/completions", _routed(body, routed_dp_rank), Answer(),
+                              _on_openai_event)

@@ -33,6 +33,8 @@ class ReplayOptions:
     min_new_tokens: int = 1  # user tokens added per turn when answers already exceed the trace
     request_timeout_s: float = 900.0
     progress: bool = True
+    dp_sticky: int = 0  # DP attention: hash each session to one of this many DP ranks (client.dp_rank_for)
+    dp_rank: int | None = None  # DP attention: send every session to this DP rank
 
     def validate(self) -> ReplayOptions:
         if self.api not in client.API_MODES:
@@ -41,6 +43,8 @@ class ReplayOptions:
             raise ValueError(f"--sessions must be >= 1 (got {self.max_sessions})")
         if self.time_scale < 0:
             raise ValueError(f"--time-scale must be >= 0 (got {self.time_scale})")
+        if self.dp_sticky < 0 or (self.dp_rank is not None and self.dp_rank < 0):
+            raise ValueError(f"--dp-sticky and --dp-rank must be >= 0 (got {self.dp_sticky}, {self.dp_rank})")
         return self
 
 
@@ -59,9 +63,10 @@ class SessionContext:
     async def send(self, http: aiohttp.ClientSession, request: TraceRequest) -> client.Answer:
         new_ids = new_turn_tokens(request, self.context_tokens, self.space, self.options.min_new_tokens)
         opts = self.options
+        dp = client.dp_rank_for(request.session, opts.dp_sticky, opts.dp_rank)
         if opts.api == "generate":
             self.ids += new_ids
-            answer = await client.generate(http, opts.url, self.ids, request.output_tokens, opts.exact_output)
+            answer = await client.generate(http, opts.url, self.ids, request.output_tokens, opts.exact_output, dp)
             self.ids += answer.output_ids
             self.context_tokens = len(self.ids)
             return answer
@@ -69,12 +74,12 @@ class SessionContext:
         if opts.api == "completions":
             self.text += new_text
             answer = await client.completions(http, opts.url, opts.model, self.text, request.output_tokens,
-                                              opts.exact_output)
+                                              opts.exact_output, dp)
             self.text += answer.text
         else:
             self.messages.append({"role": "user", "content": new_text})
             answer = await client.chat(http, opts.url, opts.model, self.messages, request.output_tokens,
-                                       opts.exact_output)
+                                       opts.exact_output, dp)
             self.messages.append({"role": "assistant", "content": answer.text})
         self.context_tokens = max(self.context_tokens + len(new_ids), answer.prompt_tokens) + answer.output_tokens
         return answer

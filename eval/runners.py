@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     mt = spec_from_args(args, sessions=1).validate()
     spec = BenchSpec(args.workload, args.trace, args.scale, args.max_requests, mt, args.vocab_size)
     options = ReplayOptions("", args.api, time_scale=args.time_scale, max_duration_s=args.max_duration_s,
-                            exact_output=args.exact_output).validate()
+                            exact_output=args.exact_output, dp_sticky=args.dp_sticky, dp_rank=args.dp_rank).validate()
     experiment = experiments(ratios, concurrencies, args.policy_ratio)[args.target]
     run_experiment(experiment, setup, spec, options, args.runs, out_dir, args.resume)
 
