@@ -175,8 +175,18 @@ def test_a_config_file_that_leaves_the_features_off_is_served(tmp_path):
     assert launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"]).vamp.enabled
 
 
-@pytest.mark.parametrize("flags,named", REFUSED_ON_EVERY_MODEL[::3] + [(["--config"], "--enable-pdmux")],
-                         ids=lambda v: str(v))
+REFUSED_KERNELS_AND_EXPERT_FEATURES = [  # tests/test_attention_refusals.py, tests/test_expert_refusals.py
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),  # no local config.json: may be MLA
+    (["--attention-backend", "flashmla"], "--attention-backend flashmla"),
+    (["--page-size", "64"], "--page-size 64"),
+    (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend deepep"),
+    (["--enable-eplb"], "--enable-eplb"),
+    (["--enable-return-routed-experts"], "--enable-return-routed-experts"),
+]
+
+
+@pytest.mark.parametrize("flags,named", REFUSED_ON_EVERY_MODEL[::3] + [(["--config"], "--enable-pdmux")]
+                         + REFUSED_KERNELS_AND_EXPERT_FEATURES, ids=lambda v: str(v))
 def test_each_refusal_answers_within_a_second_as_a_subprocess(tmp_path, flags, named):
     if flags == ["--config"]:
         flags = _config_file(tmp_path, REFUSED_FROM_CONFIG_FILE[0][0])
@@ -297,6 +307,7 @@ GPU_PATH_REFUSED = [  # issue 10: graph choices that would replay stale staged e
     (["--enable-torch-compile"], "--enable-torch-compile"),
     (["--enable-torch-compile", "--device", "cpu"], "--enable-torch-compile"),
     (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+    (["--disaggregation-mode", "decode", "--device", "cpu"], "--disaggregation-mode"),  # on every device
 ]
 
 
@@ -343,3 +354,46 @@ def test_vamp_on_a_hybrid_model_gets_the_state_strategy_it_supports(tmp_path):
     dense = launch_server.prepare(model("moe", "qwen3_moe") + ["--vamp-max-offload-ratio", "0.2"]).sglang_argv
     for other in (stock, dense):
         assert "--mamba-radix-cache-strategy" not in other and "--disable-overlap-schedule" not in other
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES"])
+def test_sglang_async_asserts_are_refused_on_a_gpu_with_vamp_on(monkeypatch, value):
+    """SGLang's KV out-of-bounds probe compares with the pool size a CUDA graph captured, so it fires on the
+    first grown row (review gpu-review-3, defect 10); CPU servers capture no graphs, and VAMP off is stock."""
+    monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", value)
+    with pytest.raises(ConfigError, match=f"SGLANG_ENABLE_ASYNC_ASSERT={value} is not supported"):
+        launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0.2"])
+    assert launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0.2", "--device", "cpu"]).vamp.enabled
+    assert not launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0"]).vamp.enabled
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "vamp_sglang.launch_server", *MODEL,
+                           "--vamp-max-offload-ratio", "0.2"], check=False, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "SGLANG_ENABLE_ASYNC_ASSERT" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("value", ["0", "false"])
+def test_async_asserts_turned_off_are_served(monkeypatch, value):
+    monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", value)
+    assert launch_server.prepare(MODEL + ["--vamp-max-offload-ratio", "0.2"]).vamp.enabled
+
+
+def test_the_launchers_view_reads_sglang_flags_no_sglang_flag_abbreviates():
+    """The launcher reads SGLang's flags with abbreviations allowed; an SGLang flag that is a strict prefix of
+    one read here would be taken for it. The refusal modules read only flags SGLang 0.5.23 has."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from vamp_sglang.refusals import attention, experts
+
+    sglang = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(sglang)
+    theirs = {o for action in sglang._actions for o in action.option_strings if o.startswith("--")}
+    ours = {o for action in launch_server.view_parser()._actions for o in action.option_strings}
+    assert {(o, s) for o in ours for s in theirs - ours if o.startswith(s)} == set()
+    for module in (attention, experts):
+        parser = argparse.ArgumentParser(add_help=False)
+        module.add_flags(parser)
+        assert {o for action in parser._actions for o in action.option_strings} - theirs == set()

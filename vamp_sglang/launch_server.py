@@ -21,6 +21,8 @@ from vamp_sglang.config import ConfigError, VampConfig
 from vamp_sglang.cpu import hybrid_model
 from vamp_sglang.faults import Faults, FaultSpecError
 from vamp_sglang.integration import gpu_flags
+from vamp_sglang.refusals import attention as attention_refusals
+from vamp_sglang.refusals import experts as expert_refusals
 from vamp_sglang.refusals import hicache as hicache_refusals
 from vamp_sglang.refusals import hybrid as hybrid_refusals
 from vamp_sglang.refusals import mla as mla_refusals
@@ -75,10 +77,10 @@ def _config_file_flags(argv: list[str]) -> list[str]:
     return flags
 
 
-def _sglang_view(argv: list[str]) -> argparse.Namespace:
-    """The few SGLang flags our checks depend on, read without importing SGLang: from a `--config` file and
-    the command line (which wins), taking the unique abbreviations SGLang's parser takes (no SGLang flag is a
-    prefix of one read here, so none is mistaken for another)."""
+def view_parser() -> argparse.ArgumentParser:
+    """The few SGLang flags our checks depend on, read without importing SGLang, taking the unique
+    abbreviations SGLang's parser takes (no SGLang flag is a prefix of one read here, so none is mistaken for
+    another: tests/test_launcher_validation.py checks it against SGLang's parser)."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--device", default=None)
     p.add_argument("--model-path", "--model", dest="model_path", default=None)
@@ -100,7 +102,14 @@ def _sglang_view(argv: list[str]) -> argparse.Namespace:
     mla_refusals.add_flags(p)
     p.add_argument(hicache_refusals.HICACHE, action="store_true")
     hicache_refusals.add_flags(p)
-    return p.parse_known_args(_config_file_flags(argv) + argv)[0]
+    attention_refusals.add_flags(p)
+    expert_refusals.add_flags(p)
+    return p
+
+
+def _sglang_view(argv: list[str]) -> argparse.Namespace:
+    """SGLang's flags from a `--config` file and the command line (which wins)."""
+    return view_parser().parse_known_args(_config_file_flags(argv) + argv)[0]
 
 
 def _turns_on(sg: argparse.Namespace, flag: str) -> bool:
@@ -151,8 +160,10 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0" + (f" ({why})" if why else ""))
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
         raise ConfigError(refusal)
-    if refusal := mla_refusals.refused(sg):
-        raise ConfigError(refusal)
+    for refusal in (mla_refusals.refused(sg), attention_refusals.refused(sg), expert_refusals.refused(sg),
+                    gpu_flags.environment_refusal(os.environ, sg.device or "cuda")):
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def _with_vamp_tree(vamp: VampConfig, sg: argparse.Namespace, argv: list[str]) -> list[str]:

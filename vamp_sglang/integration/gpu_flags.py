@@ -9,18 +9,25 @@ call inside a *full* graph, where the copies would be frozen at capture. So with
 - an explicit `full` for either phase (flag or `--cuda-graph-config` JSON, which wins in SGLang) is
   refused at start, as is `--enable-torch-compile` (breakable graphs have no torch.compile support,
   and a compiled CPU graph would trace the staging hooks);
-- PD disaggregation is refused: our KV pages are created without the GPUDirect-RDMA flag, which
-  transfer engines need to register them, and the disaggregated allocators are not growable.
+- PD disaggregation is refused on every device: our KV pages are created without the GPUDirect-RDMA flag,
+  which transfer engines need to register them, and the disaggregated allocators are not growable;
+- `SGLANG_ENABLE_ASYNC_ASSERT` (SGLang's debug probes) is refused off CPU: the KV pools' out-of-bounds probe
+  compares each write's index with `self.size + self.page_size`, a Python int a captured graph keeps
+  (mem_cache/memory_pool.py:2906 MHA, :4952 MLA; utils/async_probe.py:184-201), so the first write to a
+  grown row fails the device assert. CPU servers capture no graphs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 
 from vamp_sglang.config import ConfigError
 
 STAGING_GRAPH_BACKENDS = ("breakable", "disabled")
+ASYNC_ASSERT = "SGLANG_ENABLE_ASYNC_ASSERT"
+_TRUE = ("true", "1", "yes", "y")  # what SGLang's EnvBool reads as on (environ.py:143-150)
 
 
 def _view(argv: list[str]) -> argparse.Namespace:
@@ -68,3 +75,12 @@ def with_staging_graphs(argv: list[str], device: str) -> list[str]:
     if chosen["decode"] is None and not (sg.disable_cuda_graph or sg.disable_decode_cuda_graph):
         return argv + ["--cuda-graph-backend-decode", "breakable"]
     return argv
+
+
+def environment_refusal(environ: Mapping[str, str], device: str) -> str | None:
+    """The refusal of an SGLang debug variable whose probe a CUDA graph keeps at the start-up pool size."""
+    if device != "cpu" and environ.get(ASYNC_ASSERT, "").lower() in _TRUE:
+        return (f"{ASYNC_ASSERT}={environ[ASYNC_ASSERT]} is not supported with --vamp-max-offload-ratio > 0 "
+                f"on a GPU (its KV out-of-bounds probe keeps the start-up pool size inside CUDA graphs, so "
+                f"the first token in a grown row fails the device assert); unset it")
+    return None
