@@ -75,7 +75,8 @@ def time_expert(tokens: int, hidden: int, inter: int, dtype: torch.dtype, expert
 def measure(hidden: int, inter: int, repeats: int, calls: int, llc_bytes: int) -> dict:
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "hidden": hidden, "intermediate": inter,
-              "repeats": repeats, "calls_per_repeat": calls, "dtypes": {}}
+              "repeats": repeats, "calls_per_repeat": calls, "load_average_1min_before": os.getloadavg()[0],
+              "dtypes": {}}
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         expert_bytes = 3 * hidden * inter * dtype.itemsize
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run with OMP_NUM_THREADS=1: this measures one core's throughput")
     torch.set_num_threads(1)
     result = measure(args.hidden, args.intermediate, args.repeats, args.calls, args.llc_mib << 20)
+    result["load_average_1min_after"] = os.getloadavg()[0]  # other jobs on the machine slow every point
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")

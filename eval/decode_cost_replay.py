@@ -10,7 +10,11 @@ Residency by routing (`routed+order`): the server does not do this yet. Here eac
 top-k ids it routes (exponentially decayed, half-life `halflife_steps`), and every `reorder_steps` steps (a
 stand-in for the offload/restore transactions at which the server would change the order) a logical ->
 physical permutation puts the coldest experts at [b, R) and the others below b, each side in id order; the
-replay then runs the same index-based code on the permuted ids. Experts that move from the offloaded side to
+replay then runs the same index-based code on the permuted ids. A hot offloaded expert trades places with a
+cold resident one only where the rows it would save before the next reorder (`reorder_steps` x the difference
+of their per-step routing probabilities, from the decayed counts) exceed the one row the move copies, and
+its count beats the cold one's by more than two Poisson standard deviations, so near-uniform routing does
+not churn on sampling noise. Experts that move from the offloaded side to
 the resident side are copied to the device (counted as staged bytes of that step); host copies of every
 expert of an eligible layer are assumed (the server keeps only the offloadable ones).
 
@@ -36,6 +40,7 @@ from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.routed import routed_offloaded_runs
 
 PAGE_BYTES = 2 << 20  # CUDA VMM granularity (paper V-A)
+SIGNIFICANCE = 2.0  # standard deviations by which a hot expert's count must beat a cold one's to swap them
 
 
 @dataclass(frozen=True)
@@ -140,13 +145,26 @@ class RoutingOrder:
         if self.steps % self.reorder_steps:
             return 0
         res, moved = self.res, 0
+        window = (1.0 - self.decay ** self.steps) / (1.0 - self.decay)  # decayed steps counted so far
         for layer in range(layers):
-            routed = self.counts[layer, :res.routed_experts]
-            # coldest first; among equal counts the highest id, as index order would offload
-            order = np.lexsort((-np.arange(res.routed_experts), routed))
-            cold = np.sort(order[:res.offloaded])
-            was_cold = np.flatnonzero(self.perm[layer, :res.routed_experts] >= res.boundary)
-            moved += len(np.setdiff1d(was_cold, cold))
+            # per-step probability that some token routes the expert (Poisson in its decayed pair rate)
+            prob = 1.0 - np.exp(-self.counts[layer, :res.routed_experts] / window)
+            physical = self.perm[layer, :res.routed_experts]
+            off, on = np.flatnonzero(physical >= res.boundary), np.flatnonzero(physical < res.boundary)
+            back = off[np.argsort(-prob[off], kind="stable")]  # the hottest offloaded experts first
+            out = on[np.argsort(prob[on], kind="stable")]  # the coldest resident experts first
+            swaps = 0
+            counts = self.counts[layer]
+            for hot, cold in zip(back, out, strict=False):  # a swap must save more rows than the one it copies
+                gain = self.reorder_steps * (prob[hot] - prob[cold])
+                noise = SIGNIFICANCE * np.sqrt(counts[hot] + counts[cold])  # Poisson: is hot really hotter?
+                if gain <= 1.0 or counts[hot] - counts[cold] <= noise:
+                    break
+                swaps += 1
+            if not swaps:
+                continue
+            moved += swaps
+            cold = np.sort(np.concatenate([np.setdiff1d(off, back[:swaps]), out[:swaps]]))
             hot = np.setdiff1d(np.arange(res.routed_experts), cold)
             self.perm[layer, hot] = np.arange(len(hot))
             self.perm[layer, cold] = res.boundary + np.arange(len(cold))
