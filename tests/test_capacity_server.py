@@ -5,6 +5,8 @@ reclaimed bytes, and the bytes each decode step stages (one server for the modul
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,12 +33,24 @@ def served(tmp_path_factory):
         post_json(f"{server.url}/generate", {"input_ids": list(range(10, 74)),
                                              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
         after = get_json(f"{server.url}/vamp/stats")
-    return model, info, at_start, after
+        update = _post_status(f"{server.url}/update_weights_from_disk", {"model_path": str(model)})
+        served_after = post_json(f"{server.url}/generate", {"input_ids": list(range(10, 30)),
+                                                            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    return model, info, at_start, after, (update, served_after)
+
+
+def _post_status(url, body):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 @pytest.fixture(scope="module")
 def planned(served):
-    model, info, _, _ = served
+    model, info, *_ = served
     argv = [sys.executable, "-m", "vamp_sglang.capacity", "--model", str(model), "--gpu-mem-gib", "16", "--tp", "1",
             "--max-total-tokens", str(POOL_TOKENS), "--page-size", str(info["page_size"]), "--ratios", RATIO, "--json"]
     out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True, timeout=120).stdout
@@ -44,7 +58,7 @@ def planned(served):
 
 
 def test_pool_tokens_match_the_server_exactly(served, planned):
-    _, _, stats, _ = served
+    _, _, stats, *_ = served
     row = planned["ratios"][RATIO]
     assert planned["baseline"]["source"] == "max-total-tokens"
     assert planned["baseline"]["kv_pool_tokens"] == stats["kv_pool"]["baseline_tokens"] == POOL_TOKENS
@@ -53,7 +67,7 @@ def test_pool_tokens_match_the_server_exactly(served, planned):
 
 
 def test_groups_and_reclaimed_bytes_match_the_server(served, planned):
-    _, _, stats, _ = served
+    _, _, stats, *_ = served
     row, geo, experts = planned["ratios"][RATIO], planned["geometry"], stats["experts"]
     assert row["offloaded_groups"] == experts["offloaded_groups"] == experts["max_groups"] == 6
     assert (geo["group_experts"], geo["groups_per_layer"], geo["eligible_layers"]) == (
@@ -64,7 +78,15 @@ def test_groups_and_reclaimed_bytes_match_the_server(served, planned):
 
 def test_each_forward_stages_the_planned_bytes(served, planned):
     """One staging copy per eligible layer and forward, each the layer's whole offloaded region (IV-D)."""
-    _, _, _, after = served
+    _, _, _, after, _ = served
     staging, layers = after["staging"], planned["geometry"]["eligible_layers"]
     assert staging["copies"] > 0 and staging["copies"] % layers == 0
     assert staging["bytes"] == staging["copies"] // layers * planned["ratios"][RATIO]["staged_bytes_per_step"]
+
+
+def test_a_weight_update_is_refused_with_the_reason_and_the_server_serves_on(served):
+    """Issue 48 defect 9: an in-place weight update would leave the offloaded experts' host copies stale."""
+    *_, ((status, answer), generated) = served
+    assert status == 400 and answer["success"] is False
+    assert "update_weights_from_disk is refused while VAMP pages the MoE experts" in answer["message"]
+    assert len(generated["output_ids"]) == 4

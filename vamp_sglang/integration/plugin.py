@@ -29,10 +29,11 @@ def all_hooks() -> list[Hook]:
         hicache_tier,
         hybrid,
         runtime,
+        weight_updates,
     )
 
     return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory_hooks.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS,
-            *hicache_tier.HOOKS, *dp_peers.HOOKS]
+            *hicache_tier.HOOKS, *dp_peers.HOOKS, *weight_updates.HOOKS]
 
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
