@@ -37,7 +37,7 @@ BAD_FLAGS = [
     (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--pp-size", "2"], "--pp-size"),
     (["--ep-size", "2"], "--ep-size"),
-    (["--enable-dp-attention"], "--enable-dp-attention"),
+    (["--enable-pdmux"], "--enable-pdmux"),
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"], "--hicache-storage-backend"),
     (["--enable-hierarchical-cache", "--page-size", "16"], "--page-size"),
     (["--enable-hierarchical-cache", "--device", "cpu", "--hicache-io-backend", "kernel"], "--hicache-io-backend"),

@@ -32,7 +32,6 @@ PROG = "python -m vamp_sglang.launch_server"
 _SPECULATIVE = "--speculative-algorithm"
 # SGLang features VAMP cannot serve, refused when VAMP is on: flag -> why ("": layout not handled yet).
 _UNSUPPORTED_WITH_VAMP = {
-    "--enable-dp-attention": "",
     "--enable-paged-experts": "",
     "--enable-pdmux": "split prefill runs one forward per layer chunk, and each restarts expert staging "
                       "into a slot whose copy for a later layer is still pending: wrong expert weights",
@@ -88,6 +87,7 @@ def view_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-size", "--pp", dest="pp_size", type=int, default=1)
     p.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1)
     p.add_argument("--dwdp-size", type=int, default=1)
+    p.add_argument("--enable-dp-attention", action="store_true")  # served: one round group per DP rank
     p.add_argument("--radix-cache-backend", default=None)
     p.add_argument("--radix-eviction-policy", default=None)
     p.add_argument("--disable-radix-cache", action="store_true")
