@@ -36,7 +36,6 @@ BAD_FLAGS = [
     (["--radix-cache-backend", "lmcache"], "--radix-cache-backend"),
     (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--pp-size", "2"], "--pp-size"),
-    (["--ep-size", "2"], "--ep-size"),
     (["--enable-pdmux"], "--enable-pdmux"),
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"], "--hicache-storage-backend"),
     (["--enable-hierarchical-cache", "--page-size", "16"], "--page-size"),

@@ -152,7 +152,7 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
             f"--vamp-max-offload-ratio > 0 needs our radix tree for its cost estimates; "
             f"drop --radix-cache-backend {sg.radix_cache_backend} or set --vamp-max-offload-ratio 0"
         )
-    for name, flag in [("pp_size", "--pp-size"), ("ep_size", "--ep-size"), ("dwdp_size", "--dwdp-size")]:
+    for name, flag in [("pp_size", "--pp-size"), ("dwdp_size", "--dwdp-size")]:  # --ep-size: the dispatcher decides
         if getattr(sg, name) != 1:
             raise ConfigError(f"{flag} > 1 is not supported with --vamp-max-offload-ratio > 0")
     for flag, why in _UNSUPPORTED_WITH_VAMP.items():

@@ -8,7 +8,9 @@ alike as long as every input that is local is agreed first:
   round's success (a rank missed it, or the rounds were backed off) is agreed again at the first
   decision VIEW_RECHECK_STEPS steps later, so one lost round does not leave VAMP off until a remap;
 - the calibrated coefficients t_prefill, c_reload and t_queue (Eqs. 2-4): timings differ by rank, so
-  the ranks take the agreed minimum, re-agreed every COEFFICIENT_AGREE_STEPS steps;
+  the ranks take the agreed minimum, re-agreed every COEFFICIENT_AGREE_STEPS steps; c_reload the maximum,
+  the slowest rank's staging wait per offloaded shard, since the MoE output is all-reduced and every
+  rank's step waits for the slowest rank's copy (under EP each rank copies only its own experts);
 - the TPOT guard's cap on the groups one decision may offload (its timings are local too), agreed
   each time a decision evaluates it: a cap agreed while decode was fast let offloads go on after it
   slowed, and restores and offloads took turns.
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 OFFLOAD_RETRY_STEPS = 64  # after a failed offload, offer no headroom for this many scheduler steps
 COEFFICIENT_AGREE_STEPS = 256  # TP ranks re-agree on measured coefficients this often (in steps)
 VIEW_RECHECK_STEPS = 256  # a view agreed without a successful fingerprint round is agreed again this late
+SLOWEST_NS = 1 << 53  # rounds agree on a minimum of non-negative ints: c_reload's maximum is this less the min
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +150,10 @@ class PlanInputs:
         if self._agreed is None or step - self._agreed_at_step >= COEFFICIENT_AGREE_STEPS:
             ns = {name: self.rounds.agree(int(getattr(measured, name) * 1e9),  # a missed round: configured
                                           fallback=int(getattr(self.base_coefficients, name) * 1e9), purpose=name)
-                  for name in ("t_prefill_s", "c_reload_s", "t_queue_s")}
+                  for name in ("t_prefill_s", "t_queue_s")}
+            ns["c_reload_s"] = SLOWEST_NS - self.rounds.agree(  # the max as the min of its complement
+                SLOWEST_NS - min(int(measured.c_reload_s * 1e9), SLOWEST_NS),
+                fallback=SLOWEST_NS - int(self.base_coefficients.c_reload_s * 1e9), purpose="c_reload_s")
             agreed = dataclasses.replace(measured, **{name: v / 1e9 for name, v in ns.items()})
             self._agreed = dataclasses.replace(agreed, t_prefill_s=max(agreed.t_prefill_s, 1e-9))
             self._agreed_at_step = step
