@@ -124,3 +124,18 @@ def test_a_dp_group_whose_ranks_never_hold_a_round_delays_no_other_group(ipc_dir
     scripts = {0: [(1, 40), (2, 8)], 1: [(1, 60), (2, 5)]}
     assert _run(ipc_dir, scripts) == {0: [(40, True), (5, True)], 1: [(40, True), (5, True)]}
     assert missing == []
+
+
+# --- across nodes ----------------------------------------------------------------------------------
+def test_across_nodes_a_dp_group_whose_leader_is_not_on_node_0_is_refused_before_anything_loads():
+    from vamp_sglang import launch_server
+    from vamp_sglang.config import ConfigError
+
+    argv = ["--model-path", "models/tiny-qwen3-moe", "--device", "cpu", "--nnodes", "2", "--tp-size", "4",
+            "--enable-dp-attention", "--dist-init-addr", "127.0.0.1:25000"]
+    # tp 4 over 2 nodes, dp 2: DP rank 1's leader is TP rank 2, on node 1
+    with pytest.raises(ConfigError, match=r"DP rank 1's controller leader \(attention-TP rank 0, TP rank 2\) on node 1"):
+        launch_server.prepare([*argv, "--dp-size", "2"])
+    # attention-TP 1: no rounds, so only the usual multi-node checks remain (here: the key file)
+    with pytest.raises(ConfigError, match="--vamp-controller-key-file"):
+        launch_server.prepare([*argv, "--dp-size", "4"])

@@ -56,6 +56,23 @@ def _check_topology(sg: argparse.Namespace) -> None:
         raise ConfigError(f"--node-rank must be in [0, --nnodes {sg.nnodes}) (got {sg.node_rank})")
     if sg.tp_size % sg.nnodes:
         raise ConfigError(f"--tp-size {sg.tp_size} must be a multiple of --nnodes {sg.nnodes}")
+    _check_dp_leaders(sg)
     if sg.dist_init_addr is None:
         raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (the same on every node); without "
                           "it the nodes never meet and VAMP's ranks cannot agree")
+
+
+def _check_dp_leaders(sg: argparse.Namespace) -> None:
+    """Under DP attention each DP rank's attention-TP rank 0 leads its group's round (controller/groups.py), and a
+    leader binds on --dist-init-addr's host, node 0's: a group whose leader lives on another node could not
+    bind. With attention-TP 1 there is no round, so nothing is refused."""
+    dp = getattr(sg, "dp_size", 1) if getattr(sg, "enable_dp_attention", False) else 1
+    if dp <= 1 or sg.tp_size % dp or sg.tp_size // dp == 1:
+        return
+    attn_tp, per_node = sg.tp_size // dp, sg.tp_size // sg.nnodes
+    remote = [g for g in range(dp) if g * attn_tp // per_node != 0]
+    if remote:
+        raise ConfigError(f"--enable-dp-attention --dp-size {dp} with --nnodes {sg.nnodes} puts DP rank {remote[0]}'s "
+                          f"controller leader (attention-TP rank 0, TP rank {remote[0] * attn_tp}) on node "
+                          f"{remote[0] * attn_tp // per_node}, where it cannot bind the controller endpoint on node 0; "
+                          f"use --dp-size {sg.tp_size} (attention-TP 1: no rounds) or one node")
