@@ -25,6 +25,16 @@ section leaves behind (pages mapped, a CUDA error pending) fails that section, n
                        (GPU only; issue 19 item 1).
   resize_rollback      resize_rollback: KV and state offloads whose publish fails, rolled back exactly.
   state_pool_alloc     state_pool_alloc: state pool over growable pages on a nearly full device.
+  compaction_probe     compaction_probe: one restore attempt's compaction probe over 50,000 small device index
+                       tensors, batched against the per-node loop it replaced (issue 48, defect 5).
+  hicache_budget       hicache_budget: the HiCache host budget after cudaHostRegister of 60% of MemAvailable
+                       (GPU only; defect 4).
+  grown_attention      grown_attention: attention over a grown MLA latent buffer inside a captured CUDA graph:
+                       fp8 -> bf16 conversion, Triton gather, flash_mla and FA3 where importable (GPU only;
+                       defects 1, 2, 7).
+  sglang_fp8_moe       sglang_fp8_moe: SGLang's block-FP8 Triton fused MoE with the split-w2 break over paged
+                       FP8 experts, and SGLang's routed gather with FP8 host rows (GPU only; needs SGLang,
+                       runs after the no-SGLang import check, skipped without it).
 """
 
 from __future__ import annotations
@@ -45,12 +55,16 @@ import torch
 
 from eval.gpu_sections import (
     backend_pages,
+    compaction_probe,
     driver_rules,
     graph_segments,
+    grown_attention,
+    hicache_budget,
     prefill_stream_timing,
     remap_rate,
     resize_rollback,
     routed_staging,
+    sglang_fp8_moe,
     side_stream_capture,
     staging_overlap,
     state_growth,
@@ -74,7 +88,12 @@ SECTIONS: dict[str, tuple[bool, Callable[[PageBackend, bool], dict]]] = {  # nam
     "side_stream_capture": (True, side_stream_capture.check),
     "resize_rollback": (False, resize_rollback.check),
     "state_pool_alloc": (False, state_pool_alloc.check),
+    "compaction_probe": (False, compaction_probe.check),
+    "hicache_budget": (True, hicache_budget.check),
+    "grown_attention": (True, grown_attention.check),
+    "sglang_fp8_moe": (True, sglang_fp8_moe.check),
 }
+NEEDS_SGLANG = ("sglang_fp8_moe",)  # run after the no-SGLang import check, skipped where SGLang is missing
 
 
 def run_section(report: dict, name: str, check: Callable[[PageBackend, bool], dict],
@@ -103,6 +122,10 @@ def run_section(report: dict, name: str, check: Callable[[PageBackend, bool], di
         except Exception:  # noqa: BLE001 - a section that broke the device: the next ones will say so too
             report[name].update(ok=False, close_error=traceback.format_exc()[-1500:])
     report[name]["seconds"] = round(time.perf_counter() - start, 2)
+
+
+def _forbidden_imports() -> list[str]:
+    return sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN_IMPORTS))
 
 
 def _pending_cuda_error() -> str | None:
@@ -157,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             return select_backend("cuda", torch.device("cuda", 0))
         return select_backend("host", "cpu", granularity_bytes=HOST_GRAN)
 
-    for name, (gpu_only, check) in SECTIONS.items():
+    for name, (gpu_only, check) in sorted(SECTIONS.items(), key=lambda item: item[0] in NEEDS_SGLANG):
+        if name in NEEDS_SGLANG and "forbidden_imports" not in report:
+            report["forbidden_imports"] = _forbidden_imports()
         if gpu_only and not gpu:
             report[name] = {"skipped": "needs a GPU"}
             continue
         run_section(report, name, check, make_backend, gpu)
-    report["forbidden_imports"] = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN_IMPORTS))
+    report.setdefault("forbidden_imports", _forbidden_imports())
     failed = [name for name in SECTIONS if report[name].get("ok") is False]
     failed += ["forbidden_imports"] if report["forbidden_imports"] else []
     report["failed_sections"] = failed

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vamp_sglang.integration import compaction
+from vamp_sglang.integration import compaction, radix_tree
 
 _CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
@@ -109,7 +109,7 @@ def per_node_compact_tail(core, cache, allocator, kv, keep_tokens):
 
 
 def _use(monkeypatch, core):
-    monkeypatch.setattr(compaction.radix_tree, "tree_core_of", lambda tree_cache: core)
+    monkeypatch.setattr(radix_tree, "tree_core_of", lambda tree_cache: core)
 
 
 @pytest.mark.parametrize("nodes", [50, 500])

@@ -33,7 +33,7 @@ def _tree(nodes, writing=(), loading=()):
 
 def _movable(monkeypatch, nodes, **kw):
     cache, core = _tree(nodes, **kw)
-    monkeypatch.setattr(compaction.radix_tree, "tree_core_of", lambda tree_cache: core)
+    monkeypatch.setattr(radix_tree, "tree_core_of", lambda tree_cache: core)
     return {int(value[mask][0]) for _, value, mask, _ in compaction._movable_tail(cache, keep_tokens=10)}
 
 
@@ -46,5 +46,5 @@ def test_without_hicache_every_unlocked_tail_node_moves(monkeypatch):
     nodes = [_Node(1, [11]), _Node(2, [13])]
     cache, core = _tree(nodes)
     del cache.ongoing_write_through, cache.ongoing_load_back
-    monkeypatch.setattr(compaction.radix_tree, "tree_core_of", lambda tree_cache: core)
+    monkeypatch.setattr(radix_tree, "tree_core_of", lambda tree_cache: core)
     assert {int(v[m][0]) for _, v, m, _ in compaction._movable_tail(cache, keep_tokens=10)} == {11, 13}

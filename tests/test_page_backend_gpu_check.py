@@ -15,7 +15,8 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
 SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state", "prefill_stream",
-            "side_stream_capture", "resize_rollback", "state_pool_alloc"]
+            "side_stream_capture", "resize_rollback", "state_pool_alloc", "compaction_probe",
+            "hicache_budget", "grown_attention", "sglang_fp8_moe"]
 
 
 def run(*args, tmp_path):
@@ -65,6 +66,10 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert report["side_stream_capture"] == {"skipped": "needs a GPU"}  # CUDA graphs and streams only
     assert report["resize_rollback"]["ok"] and report["resize_rollback"]["kv_experts_exact"]  # issue 19 item 2
     assert report["state_pool_alloc"]["ok"] and report["state_pool_alloc"]["sglang_allocation_given_back_first"]
+    probe = report["compaction_probe"]  # issue 48 defect 5: the batched probe answers as the per-node loop
+    assert probe["ok"] and probe["movable"]["answer"] is True and probe["not_movable"]["answer"] is False
+    for name in ("hicache_budget", "grown_attention", "sglang_fp8_moe"):  # CUDA graphs, pinning, SGLang kernels
+        assert report[name] == {"skipped": "needs a GPU"}
 
 
 @pytest.mark.gpu
@@ -131,3 +136,27 @@ def test_a_section_that_raises_half_way_fails_alone():
 
     run_section(report, "unbuilt", clean, no_backend, gpu=False)  # reported, not raised
     assert report["unbuilt"]["ok"] is False and "no context" in report["unbuilt"]["error"]
+
+
+def test_the_hicache_budget_section_accepts_a_pool_pinned_before_the_check(monkeypatch):
+    """Issue 48 defect 4, the section's own verdicts on the host: pinning (a stand-in cudart here) takes the
+    pool out of MemAvailable; the check counts it once and accepts; as it was, it counted it twice and
+    refused."""
+    from types import SimpleNamespace
+
+    from eval.gpu_sections import hicache_budget
+
+    assert hicache_budget.mem_available_bytes() > 0  # this machine's /proc/meminfo
+    available = [64 << 20]
+    pool_bytes = int(available[0] * hicache_budget.POOL_FRACTION) // (1 << 21) << 21
+
+    def register(ptr, size, flags):
+        available[0] -= size
+        return 0
+
+    monkeypatch.setattr(hicache_budget, "mem_available_bytes", lambda: available[0])
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=register,
+                                                                      cudaHostUnregister=lambda ptr: 0))
+    result = hicache_budget.check(None, gpu=True)
+    assert result["pool_gib"] == round(pool_bytes / 2**30, 2) and result["registration_counted_as_used"]
+    assert result["ok"] and result["accepted"] and result["refused_when_counted_twice"]

@@ -21,13 +21,16 @@ from typing import Any
 import torch
 
 from vamp_sglang.integration import kv_pool as pools
-from vamp_sglang.integration import radix_tree
 
 
 def _unlocked_nodes(tree_cache: Any) -> list[tuple[int, torch.Tensor]]:
     """(node id, its KV indices) of every unlocked tree node that holds rows and no HiCache transfer holds."""
+    # imported here: it imports SGLang, and eval/gpu_check.py times this module on a machine without SGLang
+    from vamp_sglang.integration import radix_tree
+
     hicache = _held_by_hicache(tree_cache)
-    return [(node_id, value) for node_id, value in radix_tree.tree_core_of(tree_cache).unlocked_device_values()
+    core = radix_tree.tree_core_of(tree_cache)
+    return [(node_id, value) for node_id, value in core.unlocked_device_values()
             if node_id not in hicache and value is not None and value.numel()]
 
 
@@ -74,15 +77,20 @@ def _held_by_hicache(tree_cache: Any) -> set[int]:
 
 def tail_is_movable(tree_cache: Any, allocator: Any, keep_tokens: int) -> bool:
     """Whether every used row above `keep_tokens` belongs to an unlocked tree node (page size 1):
-    then eviction and compaction can free the tail without touching a running request. Each restore attempt
-    asks this: one batched reduction over the tree and one host read."""
+    then eviction and compaction can free the tail without touching a running request."""
     if allocator.page_size != 1:
         return False
+    return used_tail_is_in(allocator, [value for _, value in _unlocked_nodes(tree_cache)], keep_tokens)
+
+
+def used_tail_is_in(allocator: Any, values: list[torch.Tensor], keep_tokens: int) -> bool:
+    """Whether the allocator's used rows above `keep_tokens` are exactly those in `values` (the nodes' KV
+    indices). Each restore attempt asks this: one batched reduction over every node and one host read."""
     free = allocator.get_all_free_pages()
-    nodes = _unlocked_nodes(tree_cache)
-    movable = (torch.cat([value for _, value in nodes]) > keep_tokens).sum().to(free.device) if nodes \
+    movable = (torch.cat(values) > keep_tokens).sum().to(free.device) if values \
         else torch.zeros((), dtype=torch.int64, device=free.device)
-    free_above, movable_rows = torch.stack([(free > keep_tokens).sum(), movable]).tolist()  # the one host read
+    # the one host read
+    free_above, movable_rows = torch.stack([(free > keep_tokens).sum(), movable]).tolist()
     return (int(allocator.size) - keep_tokens) - free_above == movable_rows
 
 
