@@ -34,8 +34,8 @@ def served(tmp_path_factory):
                                              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
         after = get_json(f"{server.url}/vamp/stats")
         update = _post_status(f"{server.url}/update_weights_from_disk", {"model_path": str(model)})
-        served_after = post_json(f"{server.url}/generate", {"input_ids": list(range(10, 30)),
-                                                            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        served_after = post_json(f"{server.url}/generate", {
+            "input_ids": list(range(10, 30)), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
     return model, info, at_start, after, (update, served_after)
 
 

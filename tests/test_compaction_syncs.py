@@ -62,10 +62,9 @@ def random_tree(seed, pool_rows=400, nodes=60):
         ongoing_load_back={})
     allocator = SimpleNamespace(page_size=1, size=pool_rows, free_pages=free, release_pages=None,
                                 get_all_free_pages=lambda: allocator.free_pages)
-    kv = SimpleNamespace(k_buffer=[torch.arange(pool_rows + 1, dtype=torch.float32).view(-1, 1, 1) * (layer + 1)
-                                   for layer in range(2)],
-                         v_buffer=[torch.arange(pool_rows + 1, dtype=torch.float32).view(-1, 1, 1) * -(layer + 1)
-                                   for layer in range(2)])
+    rows_ids = torch.arange(pool_rows + 1, dtype=torch.float32).view(-1, 1, 1)
+    kv = SimpleNamespace(k_buffer=[rows_ids * (layer + 1) for layer in range(2)],
+                         v_buffer=[rows_ids * -(layer + 1) for layer in range(2)])
     return cache, core, allocator, kv
 
 
@@ -143,7 +142,8 @@ def test_the_batched_probe_and_compaction_equal_the_per_node_loop(monkeypatch, s
     keep = rng.randint(100, 350)
     new, old = random_tree(seed), random_tree(seed)
     _use(monkeypatch, new[1])
-    assert compaction.tail_is_movable(new[0], new[2], keep) == per_node_tail_is_movable(old[1], old[0], old[2], keep)
+    want = per_node_tail_is_movable(old[1], old[0], old[2], keep)
+    assert compaction.tail_is_movable(new[0], new[2], keep) == want
     assert sorted(i for i, *_ in compaction._movable_tail(new[0], keep)) == \
         sorted(i for i, *_ in _per_node_movable(old[1], old[0], keep))
     moved = compaction.compact_tail(new[0], new[2], new[3], keep)

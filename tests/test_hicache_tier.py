@@ -31,8 +31,8 @@ def _scheduler(host_pool):
 
 def test_a_pool_sglang_page_locked_is_not_counted_twice(monkeypatch):
     """Issue 48 defect 4: on CUDA SGLang page-locks its host pool (`cudaHostRegister` through its own
-    `_cuda_host_register`, here over a stand-in cudart) before VAMP's check runs, and pinning faults every page
-    in, so the available memory the check reads already excludes the pool. The machine had room for 1.5 pools
+    `_cuda_host_register`, here over a stand-in cudart) before VAMP's check runs, and pinning faults every
+    page in, so the available memory the check reads already excludes the pool. The machine had room for 1.5 pools
     before, 0.5 after: a start SGLang's own check admitted must start. The same pool not registered (CPU mode)
     is still to come, and against the same available memory it is refused."""
     from sglang.srt.mem_cache import host_memory

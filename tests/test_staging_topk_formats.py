@@ -1,10 +1,10 @@
 # ruff: noqa: F811  (tests take the imported `model` fixture as an argument)
 """Issue 48 defect 8: routed staging over SGLang's top-k formats that carry no expert ids.
 
-FlashInfer TRT-LLM (the Blackwell FP8 default) routes from the router logits inside its kernel: SGLang hands
-`run_moe_core` a BYPASSED top-k output, with no `topk_ids`. A routed step then had each eligible layer copy its
-whole region at `before_moe`, unprefetched, while the chooser kept picking routed. Here the real SGLang formats go
-through `run_moe_core_staged` over the real staging engine on host pages."""
+FlashInfer TRT-LLM (the Blackwell FP8 default) routes from the router logits inside its kernel: SGLang
+hands `run_moe_core` a BYPASSED top-k output, with no `topk_ids`. A routed step then had each eligible layer
+copy its whole region at `before_moe`, unprefetched, while the chooser kept picking routed. Here the real
+SGLang formats go through `run_moe_core_staged` over the real staging engine on host pages."""
 
 from types import SimpleNamespace
 
@@ -32,7 +32,8 @@ TOKENS = 8
 def _formats(x, logits):
     """Each top-k format SGLang 0.5.23 hands a MoE kernel, for router `logits` over hidden states `x`."""
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), TOP_K)
-    packed = (ids.to(torch.int32) << 16) | weights.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    weight_bits = weights.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    packed = (ids.to(torch.int32) << 16) | weight_bits
     return {
         "standard": StandardTopKOutput(weights, ids, logits),
         "standard_packed": StandardTopKOutputPacked(weights, ids, logits, packed),
@@ -58,9 +59,11 @@ def _forward(x, weights, stores, experts, format_name):
     for lid in LAYERS:
         dispatch = StandardDispatchOutput(x, None, _formats(x, x @ weights[lid][2].T)[format_name])
         layer = experts.layers.get(lid, SimpleNamespace(layer_id=lid))
-        x = x + moe_staging.run_moe_core_staged(
-            experts, lambda _layer, _dispatch, lid=lid, x=x: moe_forward(x, weights[lid][2], *tensors[lid], TOP_K),
-            layer, dispatch)
+
+        def kernel(_layer, _dispatch, lid=lid, x=x):
+            return moe_forward(x, weights[lid][2], *tensors[lid], TOP_K)
+
+        x = x + moe_staging.run_moe_core_staged(experts, kernel, layer, dispatch)
     return x
 
 
@@ -75,8 +78,8 @@ def test_layers_without_expert_ids_get_whole_steps_with_their_copies_prefetched(
         engine.chooser.measure_steps = False
         assert engine.chooser.choose(1, TOKENS, stores[0].staged_bytes(), 1, 1) == ROUTED
     stats = _serve(model, engine, "bypassed", steps=4)
-    # the first step was chosen routed before any layer was seen (a served step comes after graph capture, which
-    # runs every layer's hook once); from then on whole, each layer's copy prefetched
+    # the first step was chosen routed before any layer was seen (a served step comes after graph capture,
+    # which runs every layer's hook once); from then on whole, each layer's copy prefetched
     assert stats.unprefetched == len(stores), f"{stats.unprefetched} unprefetched whole copies over 4 steps"
     assert stats.by_mode[ROUTED]["steps"] == 1 and stats.by_mode[WHOLE]["steps"] == 3, stats.by_mode
     assert engine.chooser.layers_without_ids == {s.layer_id for s in stores}

@@ -28,7 +28,11 @@ def _hook(handler):
 def _manager():
     """SGLang's manager with one target runner whose weight writes are recorded (no TP group needed)."""
     written = []
-    updater = SimpleNamespace(update_weights_from_disk=lambda path, fmt, **kw: written.append(path) or (True, "ok"))
+    def write(path, load_format, **kwargs):
+        written.append(path)
+        return True, "ok"
+
+    updater = SimpleNamespace(update_weights_from_disk=write)
     runner = SimpleNamespace(weight_updater=updater)
     manager = object.__new__(SchedulerWeightUpdaterManager)
     fields = {"tp_worker": SimpleNamespace(weight_update_runners=lambda: [("target", runner)]),

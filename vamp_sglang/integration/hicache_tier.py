@@ -3,10 +3,10 @@ host-to-device load rate the planner prices evictions with, and the host-tier hi
 
 - Budget: the offloaded experts' host copies (one arena sized for the offload bound, allocated when the model
   is paged: `memory.experts.host_copy_bytes`) and HiCache's host KV pool (`MHATokenToKVPoolHost`, allocated by
-  `UnifiedRadixCache.init_hicache`) share host memory. At scheduler start the part of both not yet resident must
-  fit in what this process can still use (SGLang's own `available_host_memory_bytes`, cgroup-aware, which
-  already counts as used the expert copies, written at start, and the pool where SGLang page-locked it with
-  `cudaHostRegister`, i.e. on CUDA); otherwise the start fails with both sizes named. SGLang checks the pool
+  `UnifiedRadixCache.init_hicache`) share host memory. At scheduler start the part of both not yet resident
+  must fit in what this process can still use (SGLang's own `available_host_memory_bytes`, cgroup-aware,
+  which already counts as used the expert copies, written at start, and the pool where SGLang page-locked it
+  with `cudaHostRegister`, i.e. on CUDA); otherwise the start fails with both sizes named. SGLang checks the pool
   against its own budget before allocating it (pool_host/base.py:248-256), the expert copies already in.
 - Load rate: a timed copy of part of the host pool into a scratch device tensor at start, then (CPU mode) every
   HiCache load the direct-backend hook performs (cpu/hicache.py), as an EMA of seconds per token
@@ -49,11 +49,11 @@ class HostBudgetError(RuntimeError):
 
 def check_host_budget(expert_host_bytes: int, hicache_host_bytes: int, hicache_resident_bytes: int,
                       available_bytes: int) -> None:
-    """Both must fit: `available_bytes` is what SGLang measures as still allocatable now, which already excludes
-    the expert copies (written at start) and the part of HiCache's pool already resident
+    """Both must fit: `available_bytes` is what SGLang measures as still allocatable now, which already
+    excludes the expert copies (written at start) and the part of HiCache's pool already resident
     (`hicache_resident_bytes`: on CUDA the whole pool, page-locked by `cudaHostRegister`; on CPU none of it,
-    allocated and not yet touched). Only the rest is new; counting the resident part again refused valid starts,
-    and TP ranks pinning at once could disagree (issue 48)."""
+    allocated and not yet touched). Only the rest is new; counting the resident part again refused valid
+    starts, and TP ranks pinning at once could disagree (issue 48)."""
     new_bytes = hicache_host_bytes - hicache_resident_bytes
     if new_bytes > available_bytes:
         raise HostBudgetError(
@@ -179,8 +179,9 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     expert_bytes = host_copy_bytes(memory.layout) if memory is not None and memory.layout.bound_groups else 0
     tier = HostTier(host_pool, expert_bytes)
     tier.write_back = scheduler.tree_cache.cache_controller.write_policy == "write_back"
-    check_host_budget(expert_bytes, tier.host_pool_bytes, min(resident_pool_bytes(host_pool), tier.host_pool_bytes),
-                      available_host_memory_bytes(allow_cgroup_fallback=True))
+    resident = min(resident_pool_bytes(host_pool), tier.host_pool_bytes)
+    available = available_host_memory_bytes(allow_cgroup_fallback=True)
+    check_host_budget(expert_bytes, tier.host_pool_bytes, resident, available)
     tier.probe(torch.device(getattr(scheduler.token_to_kv_pool_allocator, "device", "cpu")))
     cpu_hicache.LOAD_OBSERVERS[:] = [tier.observe_load]
     logger.info("vamp: HiCache host pool %.2f GiB (%d tokens) + expert host copies %.2f GiB; load %.3f us/token",

@@ -1,8 +1,9 @@
 """Runtime weight updates refused while VAMP repartitions memory (issue 48, defect 9).
 
-SGLang's `update_weights_from_disk`, `_from_tensor`, `_from_distributed` and `_from_ipc` write the new values
-into the model's parameters in place (`FusedMoE.w13_weight` / `w2_weight` among them), and `begin_weight_update`
-opens the session `_from_tensor` and `_from_distributed` run in, restoring in-place-packed weights first. With
+SGLang's `update_weights_from_disk`, `_from_tensor`, `_from_distributed` and `_from_ipc` write the new
+values into the model's parameters in place (`FusedMoE.w13_weight` / `w2_weight` among them), and
+`begin_weight_update` opens the session `_from_tensor` and `_from_distributed` run in, restoring
+in-place-packed weights first. With
 experts paged (moe_staging.py) the offloaded rows of those tensors are staging slots: a write there is
 overwritten by the next staging copy from the expert's host copy, which nothing refreshes, and a restore maps
 the old experts back. The server would then serve a mix of old and new experts, silently.
@@ -65,6 +66,6 @@ def _refusing(handler: str, output_type: str) -> Callable[..., Any]:
 
 
 HOOKS = [Hook(f"{_MANAGER}.{handler}", "around", _refusing(handler, output_type),
-              f"VAMP on: refuse {handler} (it rewrites weights in place; offloaded experts' host copies would stay "
-              "stale) with SGLang's own failure output, the server serving on")
+              f"VAMP on: refuse {handler} (it rewrites weights in place; offloaded experts' host copies would "
+              "stay stale) with SGLang's own failure output, the server serving on")
          for handler, output_type in REFUSED.items()]

@@ -70,9 +70,9 @@ class StagingChooser:
     def without_routed_ids(self, layer_id: int) -> None:
         """Layer `layer_id`'s MoE kernel gets no expert ids: from now on every step is whole."""
         if self.policy != WHOLE and not self.layers_without_ids:
-            logger.warning("vamp: MoE layer %d's router output carries no expert ids (a top-k format that routes "
-                           "inside the MoE kernel); staging %s runs whole-region steps instead", layer_id,
-                           self.policy)
+            logger.warning("vamp: MoE layer %d's router output carries no expert ids (a top-k format that "
+                           "routes inside the MoE kernel); staging %s runs whole-region steps instead",
+                           layer_id, self.policy)
         self.layers_without_ids.add(layer_id)
 
     def choose(self, step: int, tokens: int | None, whole_layer_bytes: int, offloaded_rows: int,
