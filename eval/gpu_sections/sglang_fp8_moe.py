@@ -37,10 +37,11 @@ def check(backend: PageBackend, gpu: bool) -> dict:
         kernels = importlib.import_module(_KERNEL_MODULE)
         from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
         from sglang.srt.layers.moe.topk import StandardTopKOutput
+        from sglang.test.test_utils import published_topology
 
         from vamp_sglang.integration import moe_staging
         from vamp_sglang.integration.routed_gather import GatherCopier
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         return {"skipped": f"needs SGLang 0.5.23 ({exc})"}
     gen = torch.Generator(device=backend.device).manual_seed(11)
     weights, layout = toy_layers(backend, LAYERS, EXPERTS, HIDDEN, INTER, torch.bfloat16, gen, fp8=True)
@@ -49,10 +50,11 @@ def check(backend: PageBackend, gpu: bool) -> dict:
         for handle in store.offload_tail_pages(layout.bound_groups):
             backend.release(handle)
     try:
-        result = {"offloaded_experts": EXPERTS - stores[0].boundary_expert,
-                  "fused_moe_split_w2": _fused_moe(backend, weights, stores, layout, gen, kernels,
-                                                   moe_staging, MoeRunnerConfig, StandardTopKOutput),
-                  "routed_gather_fp8": _routed_gather(weights, stores, GatherCopier, gen)}
+        with published_topology(tp_size=1):  # SGLang's runtime context, which its MoE kernels read
+            result = {"offloaded_experts": EXPERTS - stores[0].boundary_expert,
+                      "fused_moe_split_w2": _fused_moe(backend, weights, stores, layout, gen, kernels,
+                                                       moe_staging, MoeRunnerConfig, StandardTopKOutput),
+                      "routed_gather_fp8": _routed_gather(weights, stores, GatherCopier, gen)}
     finally:
         close_expert_stores(staging, stores)
     result["ok"] = all(v for case in ("fused_moe_split_w2", "routed_gather_fp8")
@@ -72,7 +74,7 @@ def _fused_moe(backend, weights, stores, layout, gen, kernels, moe_staging, conf
         return moe_staging.invoke_fused_moe_kernel_staged(experts, original, a, b, *args, **kwargs)
 
     paged = {s.layer_id: (s.w13, s.w2) for s in stores}
-    config = config_type(num_experts=EXPERTS, num_local_experts=EXPERTS, top_k=TOP_K, inplace=False)
+    config = config_type(num_experts=EXPERTS, num_local_experts=EXPERTS, top_k=TOP_K, inplace=True)
 
     def forward(x: torch.Tensor, staging: bool) -> torch.Tensor:
         if staging:
@@ -86,7 +88,7 @@ def _fused_moe(backend, weights, stores, layout, gen, kernels, moe_staging, conf
             if staging:
                 engine.before_moe(lid)
             topk = topk_type(topk_weights, topk_ids.to(torch.int32), logits)
-            out = kernels.fused_experts(x, w13, w2, topk, config, use_fp8_w8a8=True, w1_scale=s13,
+            out = kernels.fused_experts(x.clone(), w13, w2, topk, config, use_fp8_w8a8=True, w1_scale=s13,
                                         w2_scale=s2, block_shape=[128, 128])
             if staging:
                 engine.after_moe(lid)
