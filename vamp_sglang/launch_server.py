@@ -23,6 +23,7 @@ from vamp_sglang.faults import Faults, FaultSpecError
 from vamp_sglang.integration import gpu_flags
 from vamp_sglang.refusals import attention as attention_refusals
 from vamp_sglang.refusals import experts as expert_refusals
+from vamp_sglang.refusals import families as family_refusals
 from vamp_sglang.refusals import hicache as hicache_refusals
 from vamp_sglang.refusals import hybrid as hybrid_refusals
 from vamp_sglang.refusals import mla as mla_refusals
@@ -160,7 +161,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0" + (f" ({why})" if why else ""))
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
         raise ConfigError(refusal)
-    for refusal in (mla_refusals.refused(sg), attention_refusals.refused(sg), expert_refusals.refused(sg),
+    for refusal in (family_refusals.refused(sg), mla_refusals.refused(sg), attention_refusals.refused(sg),
+                    expert_refusals.refused(sg),
                     gpu_flags.environment_refusal(os.environ, sg.device or "cuda")):
         if refusal:
             raise ConfigError(refusal)

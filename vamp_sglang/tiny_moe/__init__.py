@@ -4,7 +4,7 @@ Why random weights: VAMP is about memory, not model quality. What matters is the
 weights must dominate memory the way they do in real MoE models, so that offloading a few expert
 groups buys thousands of KV tokens.
 
-    python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N]
+    python -m vamp_sglang.tiny_moe OUT_DIR [--arch ARCH] [--seed N]   (ARCH: checkpoint.FAMILIES)
 
 One module per concern, so that a family or a quantisation is one module of its own:
 - `__main__`: the CLI;
@@ -12,6 +12,6 @@ One module per concern, so that a family or a quantisation is one module of its 
 - `common`: `TinyMoeSpec`, what every family shares (default geometry, checks, tensor names around the
   token mixer, how a tensor is drawn, common config fields) and the hooks a family extends;
 - `tokenizer`: the byte-level BPE and ChatML template every checkpoint carries;
-- `qwen3_moe`, `mixtral`, `qwen3_next`: one `TinyMoeSpec` subclass each, with the family's own fields,
-  token mixer, expert names and transformers config.
+- `qwen3_moe`, `mixtral`, `qwen3_next`, `deepseek` (V2 and V3), `glm4_moe`: one `TinyMoeSpec` subclass
+  per family, with the family's own fields, token mixer, expert names and transformers config.
 """

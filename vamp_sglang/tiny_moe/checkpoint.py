@@ -15,6 +15,7 @@ from pathlib import Path
 from vamp_sglang.tiny_moe import fp8
 from vamp_sglang.tiny_moe.common import TinyMoeSpec
 from vamp_sglang.tiny_moe.deepseek import DeepseekV2Spec, DeepseekV3Spec
+from vamp_sglang.tiny_moe.glm4_moe import Glm4MoeSpec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
 from vamp_sglang.tiny_moe.qwen3_next import Qwen3NextSpec
@@ -22,7 +23,7 @@ from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
 
 FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
                                                                              Qwen3NextSpec, DeepseekV3Spec,
-                                                                             DeepseekV2Spec)}
+                                                                             DeepseekV2Spec, Glm4MoeSpec)}
 ARCHS = tuple(FAMILIES)
 DEFAULT_ARCH = "qwen3_moe"
 MANIFEST = "vamp_tiny_moe.json"
