@@ -10,6 +10,8 @@ variant words that do not change the weights (`-Instruct`, `-Thinking`, `-Base`,
 such as `-2507`, `-0905`, `-v0.1`), it equals a built-in exactly: `Qwen/Qwen3-Next-80B-A3B-Instruct-FP8`
 is `qwen3-next-80b-a3b-fp8`. Anything else (`-FP8` dropped, `-AWQ`, `-GPTQ-Int4`, `Kimi-K2-Thinking`,
 whose experts are INT4) is refused: a near miss must not be priced as another checkpoint.
+A family VAMP refuses for what it lacks (gpt-oss, DeepSeek-V4, Kimi-K2.5; `NOT_PLANNED`), by name or by
+its config.json's `architectures`, is refused with the launcher's reason (vamp_sglang/refusals/families.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import re
 from pathlib import Path
 from typing import Any
+
+from vamp_sglang.refusals.families import BY_ARCH
 
 # DeepSeek-V3's published quantization_config (README_WEIGHTS.md); Kimi-K2 ships the same block.
 _FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -67,11 +71,52 @@ _DEEPSEEK_V3 = {
     "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "vocab_size": 129280,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "quantization_config": dict(_FP8)}
 
+# Qwen3.5-397B-A17B (bf16; Qwen/Qwen3.5-397B-A17B's card and text_config): hidden 4096, 60 layers laid out
+# 15 x (3 Gated DeltaNet + 1 gated full attention), attention 32 query / 2 KV heads of 256, DeltaNet 16 QK /
+# 64 V heads of 128, 512 experts of 1024 with top-10 and one shared expert of 1024, vocab 248320.
+_QWEN3_5_397B = {**_QWEN3_6_35B, "num_hidden_layers": 60, "hidden_size": 4096, "num_experts": 512,
+                 "num_experts_per_tok": 10, "moe_intermediate_size": 1024, "num_attention_heads": 32,
+                 "shared_expert_intermediate_size": 1024, "linear_num_value_heads": 64}
+# GLM-4.5 / GLM-4.6 (bf16; zai-org/GLM-4.6's config.json): hidden 5120, 92 layers, the first 3 dense
+# (intermediate 12288), 160 routed experts of 1536 with top-8 and 1 shared, 96 query / 8 KV heads of 128,
+# vocab 151552; its MTP layer (num_nextn_predict_layers 1) is loaded only for speculative decoding.
+_GLM_4_6 = {
+    "model_type": "glm4_moe", "num_hidden_layers": 92, "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151552, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# GLM-4.5-Air (bf16; zai-org/GLM-4.5-Air, transformers' Glm4MoeConfig defaults): hidden 4096, 46 layers, the
+# first dense (10944), 128 routed experts of 1408 with top-8 and 1 shared, 96 query / 8 KV heads of 128.
+_GLM_4_5_AIR = {**_GLM_4_6, "num_hidden_layers": 46, "hidden_size": 4096, "intermediate_size": 10944,
+                "moe_intermediate_size": 1408, "n_routed_experts": 128, "first_k_dense_replace": 1}
+# MiniMax-M2 (MiniMaxAI/MiniMax-M2, transformers' MiniMaxM2Config defaults): hidden 3072, 62 layers, every one
+# MoE with 256 experts of 1536 and top-8, full attention with 48 query / 8 KV heads of 128, vocab 200064;
+# block-FP8 weights but the router gate and LM head. The launcher refuses it until a tiny checkpoint and a
+# server test check it (refusals/families.py); its plan is what VAMP would reclaim, as for any config.json.
+_MINIMAX_M2 = {
+    "model_type": "minimax_m2", "num_hidden_layers": 62, "hidden_size": 3072, "intermediate_size": 1536,
+    "num_local_experts": 256, "num_experts_per_tok": 8, "num_attention_heads": 48, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 200064, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {**_FP8, "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}}
+# Families VAMP refuses for what it lacks, not for a missing test: no plan would be served, so the planner
+# refuses them with the launcher's reason (refusals/families.py). gpt-oss-120b: 36 layers, hidden 2880, 128
+# experts of 2880 with top-4, 64 query / 8 KV heads of 64, a 128-token sliding window on every other layer,
+# MXFP4 experts. DeepSeek-V4 (transformers' DeepseekV4Config defaults): 43 layers, hidden 4096, 256 experts of
+# 2048 with top-6, one 512-wide KV head with compressed (4x, 128x) and indexer caches beside a 128-token
+# window. Kimi-K2.5: Kimi-K2's text model (61 layers, 384 experts, MLA) with INT4 routed experts and MoonViT.
+NOT_PLANNED = {"gpt-oss-120b": "GptOssForCausalLM", "deepseek-v4": "DeepseekV4ForCausalLM",
+               "kimi-k2.5": "KimiK25ForConditionalGeneration"}
+
 BUILTIN: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": _QWEN3_NEXT,
     "qwen3-next-80b-a3b-fp8": _qwen_fp8(_QWEN3_NEXT, ("mlp.gate", "mlp.shared_expert_gate",
                                                       "linear_attn.in_proj_ba")),
     "qwen3.6-35b-a3b": _QWEN3_6_35B,
+    "qwen3.5-397b-a17b": _QWEN3_5_397B,
+    "glm-4.5": _GLM_4_6,
+    "glm-4.6": _GLM_4_6,
+    "glm-4.5-air": _GLM_4_5_AIR,
+    "minimax-m2": _MINIMAX_M2,
     "qwen3-30b-a3b": _QWEN3_30B,
     "qwen3-30b-a3b-fp8": _qwen_fp8(_QWEN3_30B, ("mlp.gate",)),
     "qwen3-235b-a22b": _QWEN3_235B,
@@ -126,12 +171,17 @@ def load_model_config(model: str) -> tuple[str, dict[str, Any]]:
             raise ModelConfigError(f"--model {model}: cannot read {file}: {exc}") from None
         if not isinstance(config, dict):
             raise ModelConfigError(f"--model {model}: {file} is not a JSON object")
+        if refused := sorted(set(config.get("architectures") or ()) & set(NOT_PLANNED.values())):
+            raise ModelConfigError(f"--model {model} ({refused[0]}) is not planned: VAMP refuses it, "
+                                   f"{BY_ARCH[refused[0]].reason}")
         return str(file), config
     plain = "-".join(w for w in model.lower().rsplit("/", 1)[-1].split("-") if not _REVISION.match(w))
+    if (key := builtin_key(model)) in NOT_PLANNED:
+        raise ModelConfigError(f"--model {model!r} ({BY_ARCH[NOT_PLANNED[key]].name}) is not planned: VAMP "
+                               f"refuses it, {BY_ARCH[NOT_PLANNED[key]].reason}")
     for name, why in DIFFERENT_WEIGHTS.items():
         if plain == name or plain.startswith(name + "-"):
             raise ModelConfigError(f"--model {model!r} is not priced: {why}; pass its config.json")
-    key = builtin_key(model)
     if key in BUILTIN:
         return key, json.loads(json.dumps(BUILTIN[key]))  # a deep copy: callers may edit it
     raise ModelConfigError(
