@@ -57,11 +57,19 @@ def test_a_key_file_in_a_directory_others_can_write_is_refused(key_dir, mode):
     load_key_file(real)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")
-def test_a_key_file_in_a_directory_another_user_owns_is_refused(key_dir):
+def test_a_key_file_in_a_directory_another_user_owns_is_refused(key_dir, monkeypatch):
+    """As root (CI) the directory is given to another uid. Elsewhere only root could do that, so the process
+    takes another uid instead (`os.getuid`, which the check reads): the directory is then, to the check, another
+    user's, and its owner is not root, whom the check trusts. Either way the stat checked is the real one."""
     directory, real, *_ = key_dir
-    os.chown(directory, 4321, -1)
-    with pytest.raises(ControllerError, match="is owned by uid 4321, who could replace it"):
+    if os.getuid() == 0:
+        os.chown(directory, 4321, -1)
+    else:
+        other = os.getuid() + 1
+        monkeypatch.setattr(os, "getuid", lambda: other)
+    owner = os.stat(directory).st_uid
+    assert owner not in (0, os.getuid())
+    with pytest.raises(ControllerError, match=f"is owned by uid {owner}, who could replace it"):
         load_key_file(real)
 
 
