@@ -133,3 +133,16 @@ def test_launcher_serves_expert_parallelism_with_the_standard_dispatcher(flags):
 def test_launcher_still_refuses_what_ep_does_not_lift(flags, named):
     with pytest.raises(ConfigError, match=named):
         launch("--tp-size", "2", "--ep-size", "2", *flags)
+
+
+def test_a_fused_shared_expert_stays_resident_on_every_ep_rank():
+    """SGLang puts a fused shared expert in the last local row of every rank (the dispatcher maps it there:
+    token_dispatcher/standard.py:244-253); the offloaded groups end below it."""
+    plain = rank_layout(2, 2)
+    fused = ExpertLayout.compute(
+        moe_layer_ids=list(plain.moe_layer_ids), local_experts=plain.local_experts + 1,
+        w13_shard_bytes=plain.w13_shard_bytes, w2_shard_bytes=plain.w2_shard_bytes, granularity_bytes=PAGE,
+        max_offload_ratio=0.2, staging_capacity_shards=plain.local_experts + 1, fused_shared_experts=1)
+    assert fused.routed_experts == plain.local_experts and fused.bound_groups == plain.bound_groups
+    boundary = fused.boundary_expert(fused.bound_groups)
+    assert boundary + fused.bound_groups * fused.group_experts == fused.local_experts - 1  # the shared row stays
