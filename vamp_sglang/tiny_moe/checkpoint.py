@@ -66,6 +66,10 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
         _save(out / fp8.SOURCE_DIR, tokenizer, config, source)
         config.quantization_config = quantization_config
     _save(out, tokenizer, config, tensors)
+    for file_name, shapes in spec.side_files(vocab_size).items():  # SGLang reads every *.safetensors (no index)
+        side = {name: spec.draw(name, shape) for name, shape in shapes.items()}
+        _save_tensors(out / file_name, side)
+        tensors |= side
 
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))
              if p.is_file() and p.name != MANIFEST}
@@ -83,12 +87,16 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
 
 
 def _save(out: Path, tokenizer, config, tensors: dict) -> None:
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     config.save_pretrained(out)
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    _save_tensors(out / WEIGHTS, tensors)
+
+
+def _save_tensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _manifest_matches(out_dir: Path, spec: TinyMoeSpec) -> bool:

@@ -126,6 +126,11 @@ class TinyMoeSpec:
                 shapes[f"{p}.{self.moe}.experts.{e}.{down}.weight"] = (h, i)
         return shapes
 
+    def side_files(self, vocab_size: int) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Weights SGLang loads and transformers does not (a draft layer), file name -> {name: shape}: kept
+        out of the main file, whose transformers load reports no unexpected keys. None by default."""
+        return {}
+
     def layer_shapes(self, p: str, layer: int) -> dict[str, tuple[int, ...]]:
         """Layer `layer`'s token mixer and whatever else the family adds besides norms, router and experts."""
         return self.attention_shapes(p)

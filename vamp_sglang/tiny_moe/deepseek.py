@@ -11,6 +11,12 @@ shared expert, which VAMP never offloads. V3 routes by sigmoid scores with `e_sc
 with factor 1.0 (no stretch): SGLang's CPU rope needs a scaling entry (layers/rotary_embedding/factory.py)
 and renames it deepseek_yarn (models/deepseek_v2.py `DeepseekV2AttentionMLA.__init__`).
 
+V3 also has its multi-token-prediction (MTP) layer, the draft of SGLang's `--speculative-algorithm EAGLE|NEXTN`
+(`num_nextn_predict_layers` 1): `model.layers.{layers}` holds `enorm`, `hnorm`, `eh_proj` (the draft's input,
+eh_proj([enorm(embed(token)); hnorm(target hidden)])), `shared_head.norm` and one MoE decoder layer, the names
+SGLang's NextN loader maps (models/deepseek_common/deepseek_weight_loader.py:319-334, 552-584); embeddings and
+head are the target's. It sits in its own file (`mtp.safetensors`): transformers' model has no such layer.
+
 6 layers, the common 128 experts of 256 (96 MiB per MoE layer, float32; 5 MoE layers) against 1,920 bytes
 of KV per token (6 layers x 80 floats, 3x less than the default Qwen3-MoE's): the real models' trade,
 experts large and MLA's KV small. `kv_heads` is not used (MLA has no grouped KV heads).
@@ -26,6 +32,7 @@ import torch
 from vamp_sglang.tiny_moe.common import TinyMoeSpec
 
 ROPE_THETA = 10000.0
+MTP_WEIGHTS = "mtp.safetensors"
 CORRECTION_BIAS_STD = 0.1  # small next to sigmoid scores in (0, 1): it tilts routing, it does not decide it
 
 
@@ -36,6 +43,8 @@ class DeepseekV3Spec(TinyMoeSpec):
     arch: ClassVar[str] = "deepseek_v3"
     architecture: ClassVar[str] = "DeepseekV3ForCausalLM"
     config_class: ClassVar[str] = "DeepseekV3Config"
+
+    mtp_layers: ClassVar[int] = 1  # num_nextn_predict_layers: V3's MTP draft layer (SGLang loads exactly 1)
 
     kv_lora_rank: int = 64
     q_lora_rank: int | None = 96
@@ -85,6 +94,18 @@ class DeepseekV3Spec(TinyMoeSpec):
                        f"{p}up_proj.weight": (self.dense_intermediate, h),
                        f"{p}down_proj.weight": (h, self.dense_intermediate)}
         return shapes
+
+    def side_files(self, vocab_size: int) -> dict[str, dict[str, tuple[int, ...]]]:
+        """The MTP layer (unquantised checkpoints): a copy of the first MoE layer's names at layer `layers`
+        (its own draws), plus the four tensors that feed it the target's hidden state."""
+        if "mtp_layers" not in self.as_manifest():
+            return {}
+        h, first_moe, mtp = self.hidden, f"model.layers.{self.dense_layers}.", f"model.layers.{self.layers}."
+        shapes = {mtp + name.removeprefix(first_moe): shape
+                  for name, shape in self.tensor_shapes(vocab_size).items() if name.startswith(first_moe)}
+        shapes |= {f"{mtp}enorm.weight": (h,), f"{mtp}hnorm.weight": (h,), f"{mtp}eh_proj.weight": (h, 2 * h),
+                   f"{mtp}shared_head.norm.weight": (h,)}
+        return {MTP_WEIGHTS: shapes}
 
     def layer_shapes(self, p: str, layer: int) -> dict[str, tuple[int, ...]]:
         """MLA's projections, and in MoE layers the shared expert (and V3's correction bias)."""
@@ -164,6 +185,11 @@ class DeepseekV3Spec(TinyMoeSpec):
             setattr(config, key, value)
         return config
 
+    def as_manifest(self) -> dict:
+        """With the MTP layer's count where one is written, so a checkpoint written before it is redone."""
+        written = self.mtp_layers if self.quant == "none" else 0
+        return super().as_manifest() | ({"mtp_layers": written} if written else {})
+
     def manifest_extras(self) -> dict[str, int]:
         return {"moe_layers": len(self.moe_layers), "kv_cache_dim": self.kv_lora_rank + self.qk_rope_head_dim}
 
@@ -175,6 +201,8 @@ class DeepseekV2Spec(DeepseekV3Spec):
     arch: ClassVar[str] = "deepseek_v2"
     architecture: ClassVar[str] = "DeepseekV2ForCausalLM"
     config_class: ClassVar[str] = "DeepseekV2Config"
+
+    mtp_layers: ClassVar[int] = 0
 
     q_lora_rank: int | None = None
     expert_groups: int = 1

@@ -1,0 +1,56 @@
+"""The tiny DeepSeek-V3's MTP layer (`--arch deepseek_v3`): the draft SGLang's NextN loader reads, in its own
+file, so transformers still loads the main file with no unexpected key; the other families write no draft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from vamp_sglang.tiny_moe.checkpoint import make_checkpoint, read_manifest
+from vamp_sglang.tiny_moe.deepseek import MTP_WEIGHTS
+
+SMALL = {"layers": 3, "experts": 16, "hidden": 64, "intermediate": 32, "vocab": 512}
+
+
+def names(path) -> set[str]:
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("v3"), arch="deepseek_v3", **SMALL)
+
+
+def test_mtp_layer_is_the_nextn_layout(v3):
+    """layer `layers` holds the four NextN tensors plus a whole MoE decoder layer (SGLang maps them to
+    `model.*` and `model.decoder.*`, deepseek_weight_loader.py:319-334); embeddings and head are the target's."""
+    config = json.loads((v3 / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
+    mtp = names(v3 / MTP_WEIGHTS)
+    assert {f"model.layers.3.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")} <= mtp
+    first_moe = {n.replace("model.layers.1.", "model.layers.3.") for n in names(v3 / "model.safetensors")
+                 if n.startswith("model.layers.1.")}
+    assert mtp - first_moe == {f"model.layers.3.{n}.weight" for n in ("enorm", "hnorm", "eh_proj",
+                                                                       "shared_head.norm")}
+    assert first_moe <= mtp and sum(".mlp.experts." in n for n in mtp) == 16 * 3
+    assert not any(n.startswith("model.layers.3.") for n in names(v3 / "model.safetensors"))
+    with safe_open(str(v3 / MTP_WEIGHTS), "pt") as f:
+        assert tuple(f.get_slice("model.layers.3.eh_proj.weight").get_shape()) == (64, 128)
+        draft_q = f.get_tensor("model.layers.3.self_attn.q_a_proj.weight")
+    with safe_open(str(v3 / "model.safetensors"), "pt") as f:
+        assert not draft_q.equal(f.get_tensor("model.layers.1.self_attn.q_a_proj.weight"))  # its own draws
+
+
+def test_manifest_records_the_mtp_file(v3):
+    manifest = read_manifest(v3)
+    assert manifest["spec"]["mtp_layers"] == 1 and MTP_WEIGHTS in manifest["files"]
+
+
+@pytest.mark.parametrize("fields", [{"arch": "deepseek_v2"}, {"arch": "qwen3_moe"}])
+def test_other_families_write_no_draft(tmp_path, fields):
+    small = SMALL | ({"kv_heads": 2} if fields["arch"] == "qwen3_moe" else {})
+    out = make_checkpoint(tmp_path, **fields, **small)
+    assert not (out / MTP_WEIGHTS).exists() and "mtp_layers" not in read_manifest(out)["spec"]
