@@ -21,8 +21,10 @@ SHIM_INIT = SHIM_DIR / "sgl_kernel" / "__init__.py"
 @pytest.fixture(scope="module")
 def shim():
     """The stand-in loaded under another name, so this process never gets a fake `sgl_kernel`."""
-    spec = importlib.util.spec_from_file_location("vamp_test_sgl_kernel_shim", SHIM_INIT)
+    spec = importlib.util.spec_from_file_location("vamp_test_sgl_kernel_shim", SHIM_INIT,
+                                                  submodule_search_locations=[str(SHIM_INIT.parent)])
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its `from .speculative import` resolves under this name
     spec.loader.exec_module(module)
     return module
 

@@ -8,8 +8,8 @@ answers those imports:
 - the two ops a CPU server calls, written in plain torch with the semantics of SGLang's Triton
   kernels (`assign_req_to_token_pool` in srt/mem_cache/allocation.py, `copy_all_layer_kv_cache_tiled`
   in kernels/ops/kvcache/cache_move.py);
-- stubs for the speculative-decoding ops that are imported at module level but only called with
-  `--speculative-*`, which CPU mode does not support; each raises NotImplementedError naming itself.
+- the six speculative-decoding ops (EAGLE/NEXTN drafts, `--speculative-*`), in plain torch with the
+  semantics of their Triton twins (see `sgl_kernel.speculative`).
 
 It registers nothing under `torch.ops.sgl_kernel` itself, and `sgl_kernel.mamba` (Qwen3-Next's
 Gated DeltaNet ops, see there) registers only its two ops: SGLang then finds no
@@ -25,6 +25,15 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+from .speculative import (
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 
 __version__ = "0.0.0+vamp.cpu.shim"
 
@@ -71,30 +80,12 @@ def copy_all_layer_kv_cache_cpu(
         buffer[tgt_loc] = buffer[src_loc]
 
 
-def _unsupported(name: str):
-    def op(*args, **kwargs):
-        raise NotImplementedError(
-            f"sgl_kernel.{name} is not available in vamp-sglang's CPU stand-in; "
-            "speculative decoding is not supported with --device cpu"
-        )
+SPECULATIVE_OPS = ("assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
+                   "build_tree_kernel_efficient_cpu", "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu",
+                   "verify_tree_greedy_cpu")
+for _op in (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
+            fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu):
+    _op.__module__ = __name__  # sgl_kernel's own ops, as the real package exports them
 
-    op.__name__ = op.__qualname__ = name
-    return op
-
-
-assign_draft_cache_locs_contiguous_cpu = _unsupported("assign_draft_cache_locs_contiguous_cpu")
-assign_extend_cache_locs_cpu = _unsupported("assign_extend_cache_locs_cpu")
-build_tree_kernel_efficient_cpu = _unsupported("build_tree_kernel_efficient_cpu")
-fill_accept_out_cache_loc_cpu = _unsupported("fill_accept_out_cache_loc_cpu")
-fill_bonus_tokens_cpu = _unsupported("fill_bonus_tokens_cpu")
-verify_tree_greedy_cpu = _unsupported("verify_tree_greedy_cpu")
-
-IMPLEMENTED_OPS = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu")
-UNSUPPORTED_OPS = (
-    "assign_draft_cache_locs_contiguous_cpu",
-    "assign_extend_cache_locs_cpu",
-    "build_tree_kernel_efficient_cpu",
-    "fill_accept_out_cache_loc_cpu",
-    "fill_bonus_tokens_cpu",
-    "verify_tree_greedy_cpu",
-)
+IMPLEMENTED_OPS = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", *SPECULATIVE_OPS)
+UNSUPPORTED_OPS: tuple[str, ...] = ()  # every op SGLang 0.5.23's CPU path imports is implemented
