@@ -137,8 +137,8 @@ def node_optimum(requests, pool):
 
 def test_optima_order_against_brute_force_and_every_policy():
     """bound >= the best whole-leaf eviction sequence >= every policy, opt (Belady on leaves) included. This
-    catches accounting (hits counted that were not served, a larger pool), not a wrong leaf or a bound too high:
-    tests/test_cachesim_exact.py and the equal-size test below pin those."""
+    catches accounting (hits counted that were not served, a larger pool), not a wrong leaf or a bound too
+    high: tests/test_cachesim_exact.py and the equal-size test below pin those."""
     for seed in range(10):
         rng = random.Random(seed)
         requests = build_requests(random_trace(rng), 3)
@@ -152,10 +152,10 @@ def test_optima_order_against_brute_force_and_every_policy():
 
 
 def test_opt_and_the_bound_are_the_brute_force_optimum_on_equal_sized_independent_prompts():
-    """Classic paging (Belady is optimal there): distinct prompts of one size, a pool of a few. With whole prompts
-    in a pool that holds a whole number of them the token-granular problem is the leaf-granular one (a prompt's
-    tokens share their next use, and keeping part of one serves nothing more than keeping it whole would), so
-    the bound is the optimum too, not just above it."""
+    """Classic paging (Belady is optimal there): distinct prompts of one size, a pool of a few. With whole
+    prompts in a pool that holds a whole number of them the token-granular problem is the leaf-granular one
+    (a prompt's tokens share their next use, and keeping part of one serves nothing more than keeping it
+    whole would), so the bound is the optimum too, not just above it."""
     for seed in range(12):
         rng = random.Random(seed)
         prompts = [[100 * k + j for j in range(3)] for k in range(4)]
@@ -163,7 +163,8 @@ def test_opt_and_the_bound_are_the_brute_force_optimum_on_equal_sized_independen
         trie = FutureTrie(requests)
         pool = 3 * rng.choice((1, 2, 3))
         best = node_optimum(requests, pool)
-        assert total_hits(requests, trie, "opt", pool) == best == total_hits(requests, trie, "bound", pool), seed
+        bound = total_hits(requests, trie, "bound", pool)
+        assert total_hits(requests, trie, "opt", pool) == best == bound, seed
 
 
 def test_in_flight_requests_are_not_in_the_tree_yet():

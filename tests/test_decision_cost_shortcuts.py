@@ -183,7 +183,7 @@ def slow_plan(s, coeffs, policy):
 
 
 def explained(s, policy, *flags):
-    """What `python -m vamp_sglang.policy explain` prints for `s` (run in process, from a file as a user runs it)."""
+    """What `python -m vamp_sglang.policy explain` prints for `s` (in process, from a file as a user's)."""
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "snapshot.json")
         with open(path, "w", encoding="utf-8") as f:
@@ -194,26 +194,30 @@ def explained(s, policy, *flags):
     return out.getvalue()
 
 
+BLOCKS = st.builds(EvictableBlock, st.integers(1, 64), st.integers(0, 5), st.integers(0, 3000),
+                   st.floats(0.0, 1.0), st.sampled_from([None, 0, 3]), st.booleans())
+VICTIMS = st.builds(PreemptCandidate, st.integers(0, 50), st.integers(0, 200), st.integers(0, 2))
+
+
 @st.composite
 def snapshots(draw):
     """Snapshots on which every action and every infeasible option turn up: headroom 0-9 with gains that may
-    start at 0, candidates with and without host copies, victims whose buffers make the replay evict again, and
-    gaps on the edges, where an offload or the candidates cover them exactly (or with the offload floor)."""
-    blocks = draw(st.lists(st.builds(EvictableBlock, st.integers(1, 64), st.integers(0, 5), st.integers(0, 3000),
-                                     st.floats(0.0, 1.0), st.sampled_from([None, 0, 3]), st.booleans()),
-                           max_size=10))
+    start at 0, candidates with and without host copies, victims whose buffers make the replay evict again,
+    and gaps on the edges, where an offload or the candidates cover them exactly (or with the offload
+    floor)."""
+    blocks = draw(st.lists(BLOCKS, max_size=10))
     headroom = draw(st.integers(0, 9))
     gains = sorted(draw(st.lists(st.integers(0, 300), min_size=headroom, max_size=headroom)))
-    victims = draw(st.lists(st.builds(PreemptCandidate, st.integers(0, 50), st.integers(0, 200), st.integers(0, 2)),
-                            max_size=4))
     covers = [sum(e.tokens for e in blocks[:n]) for n in range(len(blocks) + 1)]
-    gap = draw(st.one_of(st.integers(-2, 400), st.builds(lambda g, c, d: g + c + d, st.sampled_from([0, *gains]),
-                                                          st.sampled_from(covers), st.integers(-1, 1))))
+    edges = st.builds(lambda g, c, d: g + c + d, st.sampled_from([0, *gains]), st.sampled_from(covers),
+                      st.integers(-1, 1))
     host_load = draw(st.sampled_from([None, None, 0.3]))
-    return Snapshot(site=draw(st.sampled_from(["prefill", "decode"])), gap_tokens=gap,
+    return Snapshot(site=draw(st.sampled_from(["prefill", "decode"])),
+                    gap_tokens=draw(st.one_of(st.integers(-2, 400), edges)),
                     free_tokens=draw(st.integers(0, 20)), evictable=tuple(blocks),
                     offload=OffloadState(headroom, tuple(gains), 2, 8, 2, draw(st.integers(0, 4))),
-                    preempt=tuple(victims), retract_buffer_tokens=draw(st.integers(0, 30)), observed_hit_rate=0.5,
+                    preempt=tuple(draw(st.lists(VICTIMS, max_size=4))),
+                    retract_buffer_tokens=draw(st.integers(0, 30)), observed_hit_rate=0.5,
                     coefficients=draw(st.sampled_from([{}, {}, {"expand_groups": 1}, {"expand_groups": 3}])),
                     tpot_guard_groups=draw(st.sampled_from([None, None, 0, 2, 5])),
                     host_load_us_per_token=host_load,
@@ -228,8 +232,9 @@ def hand_built(gap, site="decode", blocks=(), headroom=0, gains=(), victims=(), 
 
 FIFTY = [EvictableBlock(50, 1, 10, 0.5)] * 4
 HOT = [EvictableBlock(500, 5, 0, 1.0)] * 4  # dearer to evict than offloading 4 groups
-# One snapshot per action, checked on every run whatever hypothesis draws. In "evict@exact-cover" (the report's)
-# and "combined", evict prices three blocks, then combined reads the first two, an exact cover of its remainder.
+# One snapshot per action, checked on every run whatever hypothesis draws. In "evict@exact-cover" (the
+# report's) and "combined", evict prices three blocks, then combined reads the first two: an exact cover of
+# its remainder.
 # "preempt@replay": the first victim's eviction runs out of candidates, the second asks for less.
 EXAMPLES = {"none": hand_built(0), "evict": hand_built(120, blocks=FIFTY[:3]),
             "evict@exact-cover": hand_built(120, blocks=FIFTY, headroom=4, gains=(5, 10, 15, 20)),
@@ -242,7 +247,7 @@ EXAMPLES = {"none": hand_built(0), "evict": hand_built(120, blocks=FIFTY[:3]),
 
 
 def check_against_the_slow_path(s, policy):
-    """Action, groups, tokens and all four costs (None where infeasible), and what `explain` prints of them."""
+    """Action, groups, tokens, all four costs (None where infeasible), and what `explain` prints of them."""
     fast, slow = plan(s, C, policy), slow_plan(s, C, policy)
     assert fast.to_json() == slow.to_json()
     assert explained(s, policy) == policy_cli._describe(slow, s, policy) + "\n"

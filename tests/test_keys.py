@@ -59,8 +59,8 @@ def test_a_key_file_in_a_directory_others_can_write_is_refused(key_dir, mode):
 
 def test_a_key_file_in_a_directory_another_user_owns_is_refused(key_dir, monkeypatch):
     """As root (CI) the directory is given to another uid. Elsewhere only root could do that, so the process
-    takes another uid instead (`os.getuid`, which the check reads): the directory is then, to the check, another
-    user's, and its owner is not root, whom the check trusts. Either way the stat checked is the real one."""
+    takes another uid instead (`os.getuid`, which the check reads): the directory is then, to the check,
+    another user's, and its owner is not root, whom the check trusts. Either way the stat checked is real."""
     directory, real, *_ = key_dir
     if os.getuid() == 0:
         os.chown(directory, 4321, -1)
