@@ -11,13 +11,14 @@ import subprocess
 
 import sglang
 
-from vamp_sglang.cpu import fp8, hicache, mla, parallel, triton_free
+from vamp_sglang.cpu import fp8, hicache, mla, parallel, speculative, triton_free
 from vamp_sglang.integration import plugin
 from vamp_sglang.integration.hooks import SGLANG_VERSION
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "patches" / "README.md"
-CPU_HOOKS = triton_free.HOOKS + fp8.HOOKS + mla.HOOKS + hicache.HOOKS + parallel.HOOKS
+CPU_HOOKS = (triton_free.HOOKS + fp8.HOOKS + mla.HOOKS + hicache.HOOKS + parallel.HOOKS
+             + speculative.HOOKS)
 ROW = re.compile(r"^\|\s*`(sglang\.[\w.]+)`\s*\|\s*(\w+)\s*\|(.+)\|\s*([\d.]+)\s*\|\s*$")
 
 

@@ -52,8 +52,8 @@ for name, t in cases["trees"].items():
             predicts = torch.zeros(bs * n, dtype=torch.int64)
             accept = torch.full((bs, t["depth"] + 1), -1, dtype=torch.int64)
             count = torch.zeros(bs, dtype=torch.int64)
-            spec_tree.verify_tree_greedy_triton(predicts, accept, count, torch.tensor(cases["verify"]["candidates"]),
-                idx, nxt, sib, torch.tensor(cases["verify"]["target"]))
+            candidates, target = (torch.tensor(cases["verify"][key]) for key in ("candidates", "target"))
+            spec_tree.verify_tree_greedy_triton(predicts, accept, count, candidates, idx, nxt, sib, target)
             out[f"{name}/verify"] = [predicts.tolist(), accept.tolist(), count.tolist()]
 table = torch.arange(40, dtype=torch.int32).view(4, 10) + 100
 rows, lens = torch.tensor([2, 0]), torch.tensor([3, 6])
@@ -87,8 +87,9 @@ def twins():
     """The Triton kernels' outputs, interpreted on CPU (outside CPU mode: SGLang imports no sgl_kernel)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE")}
     env |= {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", TWINS], input=json.dumps({"trees": TREES, "verify": VERIFY}),
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    cases = json.dumps({"trees": TREES, "verify": VERIFY})
+    result = subprocess.run([sys.executable, "-c", TWINS], input=cases, env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -109,7 +110,8 @@ def build(ops, t, mode):
 @pytest.mark.parametrize("mode", [0, 1])
 def test_build_tree_matches_triton(ops, twins, name, mode):
     mask, pos, idx, nxt, sib = build(ops, TREES[name], mode)
-    assert [mask.int().tolist(), pos.tolist(), idx.tolist(), nxt.tolist(), sib.tolist()] == twins[f"{name}/{mode}"]
+    built = [mask.int().tolist(), pos.tolist(), idx.tolist(), nxt.tolist(), sib.tolist()]
+    assert built == twins[f"{name}/{mode}"]
 
 
 def test_chain_tree_is_causal_and_positions_count_up(ops):

@@ -26,7 +26,8 @@ def v3(tmp_path_factory):
 
 def test_mtp_layer_is_the_nextn_layout(v3):
     """layer `layers` holds the four NextN tensors plus a whole MoE decoder layer (SGLang maps them to
-    `model.*` and `model.decoder.*`, deepseek_weight_loader.py:319-334); embeddings and head are the target's."""
+    `model.*` and `model.decoder.*`, deepseek_weight_loader.py:319-334); embeddings and head are the
+    target's."""
     config = json.loads((v3 / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
     mtp = names(v3 / MTP_WEIGHTS)

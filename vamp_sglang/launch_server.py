@@ -27,6 +27,7 @@ from vamp_sglang.refusals import families as family_refusals
 from vamp_sglang.refusals import hicache as hicache_refusals
 from vamp_sglang.refusals import hybrid as hybrid_refusals
 from vamp_sglang.refusals import mla as mla_refusals
+from vamp_sglang.refusals import speculative as speculative_refusals
 
 PROG = "python -m vamp_sglang.launch_server"
 
@@ -101,6 +102,7 @@ def view_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, action="store_true")
     hybrid_refusals.add_flags(p)  # with _SPECULATIVE
     mla_refusals.add_flags(p)
+    speculative_refusals.add_flags(p)
     p.add_argument(hicache_refusals.HICACHE, action="store_true")
     hicache_refusals.add_flags(p)
     attention_refusals.add_flags(p)
@@ -136,6 +138,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
     if refusal := hicache_refusals.refused(sg, vamp.enabled, hybrid_model.is_hybrid_linear(sg.model_path)):
+        raise ConfigError(refusal)
+    if refusal := speculative_refusals.refused(sg):  # CPU mode's draft chains, with VAMP on or off
         raise ConfigError(refusal)
     if vamp.tree_core == "rust":  # what SGLang's Rust core cannot hold under VAMP's order (radix_rust.refusal)
         held = [flag for flag in ("--enable-session-radix-cache", "--enable-hierarchical-cache")

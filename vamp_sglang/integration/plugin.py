@@ -55,15 +55,16 @@ def scheduler_setups() -> list[Callable[[Any, Any], None]]:
 
 def cpu_hooks() -> list[Hook]:
     """Torch paths for GPU-only call sites (Qwen3-Next's Triton ops, FP8's AMX ops, HiCache's host pool and
-    direct transfers), torch_native's MLA dispatch (DeepSeek) and the gaps of EP and DP attention on CPU
-    (cpu/parallel.py), placed only in CPU mode: GPUs keep their kernels."""
+    direct transfers), torch_native's MLA dispatch (DeepSeek), the gaps of EP and DP attention on CPU
+    (cpu/parallel.py) and EAGLE/NEXTN's draft and verify attention (cpu/speculative.py), placed only in CPU
+    mode: GPUs keep their kernels."""
     from vamp_sglang.cpu import fp8, hicache, in_cpu_mode, mla, triton_free
 
     if not in_cpu_mode():
         return []
-    from vamp_sglang.cpu import parallel  # imports SGLang's torch_native backend (its class is replaced)
+    from vamp_sglang.cpu import parallel, speculative  # import SGLang's torch_native (parallel replaces it)
 
-    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS, *hicache.HOOKS, *parallel.HOOKS]
+    return [*triton_free.HOOKS, *fp8.HOOKS, *mla.HOOKS, *hicache.HOOKS, *parallel.HOOKS, *speculative.HOOKS]
 
 
 def verify_hooks() -> None:

@@ -11,10 +11,10 @@ shared expert, which VAMP never offloads. V3 routes by sigmoid scores with `e_sc
 with factor 1.0 (no stretch): SGLang's CPU rope needs a scaling entry (layers/rotary_embedding/factory.py)
 and renames it deepseek_yarn (models/deepseek_v2.py `DeepseekV2AttentionMLA.__init__`).
 
-V3 also has its multi-token-prediction (MTP) layer, the draft of SGLang's `--speculative-algorithm EAGLE|NEXTN`
-(`num_nextn_predict_layers` 1): `model.layers.{layers}` holds `enorm`, `hnorm`, `eh_proj` (the draft's input,
-eh_proj([enorm(embed(token)); hnorm(target hidden)])), `shared_head.norm` and one MoE decoder layer, the names
-SGLang's NextN loader maps (models/deepseek_common/deepseek_weight_loader.py:319-334, 552-584); embeddings and
+V3 also has its multi-token-prediction (MTP) layer, the draft of SGLang's `--speculative-algorithm
+EAGLE|NEXTN` (`num_nextn_predict_layers` 1): `model.layers.{layers}` holds `enorm`, `hnorm`, `eh_proj` (the
+draft's input, eh_proj([enorm(embed(token)); hnorm(target hidden)])), `shared_head.norm` and one MoE decoder
+layer, the names SGLang's NextN loader maps (models/deepseek_common/deepseek_weight_loader.py:319-334, 552-584); embeddings and
 head are the target's. It sits in its own file (`mtp.safetensors`): transformers' model has no such layer.
 
 6 layers, the common 128 experts of 256 (96 MiB per MoE layer, float32; 5 MoE layers) against 1,920 bytes

@@ -80,12 +80,12 @@ def copy_all_layer_kv_cache_cpu(
         buffer[tgt_loc] = buffer[src_loc]
 
 
-SPECULATIVE_OPS = ("assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu",
-                   "build_tree_kernel_efficient_cpu", "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu",
-                   "verify_tree_greedy_cpu")
-for _op in (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
-            fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu):
+_SPECULATIVE = (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu,
+                build_tree_kernel_efficient_cpu, fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu,
+                verify_tree_greedy_cpu)
+for _op in _SPECULATIVE:
     _op.__module__ = __name__  # sgl_kernel's own ops, as the real package exports them
+SPECULATIVE_OPS = tuple(op.__name__ for op in _SPECULATIVE)
 
 IMPLEMENTED_OPS = ("assign_req_to_token_pool_cpu", "copy_all_layer_kv_cache_cpu", *SPECULATIVE_OPS)
 UNSUPPORTED_OPS: tuple[str, ...] = ()  # every op SGLang 0.5.23's CPU path imports is implemented

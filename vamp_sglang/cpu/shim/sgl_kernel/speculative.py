@@ -54,7 +54,7 @@ def assign_extend_cache_locs_cpu(req_pool_indices: torch.Tensor, req_to_token: t
 
 
 def _parent_position(selected: list[int], parents: list[int], slot: int, topk: int) -> int | None:
-    """Where draft token `slot`'s parent sits among the draft tokens (0: the root), None if it is not there."""
+    """Where draft token `slot`'s parent sits among the drafts (0: the root); None if it is not there."""
     parent_block = selected[slot] // topk
     if parent_block == 0:
         return 0
@@ -72,7 +72,8 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
     ancestors). FULL_MASK rows also span the request's seq_len prefix columns (left as the caller set
     them); QLEN_ONLY rows hold the draft columns only. retrieve_next_* come in filled with -1."""
     if tree_mask_mode not in (FULL_MASK, QLEN_ONLY):
-        raise ValueError(f"build_tree_kernel_efficient_cpu: tree_mask_mode {tree_mask_mode} is not laid out on CPU")
+        raise ValueError(f"build_tree_kernel_efficient_cpu: tree_mask_mode {tree_mask_mode} is not laid out "
+                         "on CPU")
     n = draft_token_num
     seq_lens = verified_seq_len.tolist()
     prefix_sums = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
@@ -94,8 +95,10 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
                     next_sibling[base + i] = previous
         index[base] = base
         for x in range(n):
-            row = (n * n * b + prefix_sums[b] * n + (seq_len + n) * x + seq_len + 1 if tree_mask_mode == FULL_MASK
-                   else n * n * b + n * x + 1)
+            if tree_mask_mode == FULL_MASK:  # after the rows of earlier requests, each seq_len + n wide
+                row = n * n * b + prefix_sums[b] * n + (seq_len + n) * x + seq_len + 1
+            else:
+                row = n * n * b + n * x + 1
             mask[row - 1] = True
             mask[row:row + n - 1] = False
             if x == 0:

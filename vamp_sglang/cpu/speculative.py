@@ -1,0 +1,126 @@
+"""EAGLE / NEXTN speculative decoding on SGLang 0.5.23's CPU path (torch_native attention), chains of top-k 1.
+
+A draft step of SGLang's EAGLE worker (speculative/eagle_worker_v2.py) is three kinds of forward, and
+torch_native lacks the attention of two (shared research `deploy-modes.md` section 3.4):
+- the draft's multi-step decode: `DraftBackendFactory` (speculative/draft_utils.py:84-160) builds one
+  backend per draft step from a map with no torch_native entry. `create_backend` adds one: a container of
+  `speculative_num_steps - 1` `TorchNativeDraftStep`s. Step i's query is draft token i, written at column
+  seq_len + i of its request's req->token row (the slots `assign_draft_cache_locs_contiguous` hands out,
+  kernels/ops/speculative/cache_locs.py:39-110), so it attends to the first seq_len + i + 1 columns: the
+  lengths the Triton and Intel AMX multi-step backends build (cache_locs.py:204-210, intel_amx_backend.py
+  `IntelAMXMultiStepDraftBackend`). The draft's extend backend is torch_native itself, whose causal extend
+  already reads DRAFT_EXTEND_V2 batches right (prefix seq_len, num_draft_tokens new tokens,
+  eagle_worker_common.py `prepare_for_draft_extend`).
+- the target's verify (TARGET_VERIFY): num_draft_tokens new tokens per request after seq_len cached ones,
+  with no extend lengths in the batch (forward_batch_info.py:1226). With top-k 1 the draft tree is a chain
+  and its mask is causal (the QLEN_ONLY mask `build_tree_kernel_efficient` lays out is lower-triangular), so
+  `forward_extend` runs torch_native's causal extend with those lengths.
+- the draft's set-up: taking the target's embedding and head ends in a CUDA synchronize (`init_lm_head`).
+Trees (top-k > 1) need the tree mask in both forwards; the launcher refuses them on CPU
+(refusals/speculative.py). The six `sgl_kernel` ops these forwards call are in the CPU shim.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+from sglang.srt.layers.attention import torch_native_backend
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from vamp_sglang.integration.hooks import Hook
+
+TORCH_NATIVE = "torch_native"
+
+
+@contextmanager
+def lengths(forward_batch: Any, **values: Any):
+    """forward_batch with some length fields set for one attention call, then restored: SGLang's batch is
+    shared by every layer and step, and its own fields must come back unchanged."""
+    saved = {name: getattr(forward_batch, name) for name in values}
+    for name, value in values.items():
+        setattr(forward_batch, name, value)
+    try:
+        yield forward_batch
+    finally:
+        for name, value in saved.items():
+            setattr(forward_batch, name, value)
+
+
+class TorchNativeDraftStep(TorchNativeAttnBackend):
+    """torch_native for draft decode step `step`: each query sees its prefix and draft tokens 0..step."""
+
+    def __init__(self, model_runner: Any, step: int) -> None:
+        super().__init__(model_runner)
+        self.step = step
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        with lengths(forward_batch, seq_lens=forward_batch.seq_lens + self.step + 1):
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+class TorchNativeMultiStepDraftBackend:
+    """The per-step container the EAGLE worker drives (`attn_backends[i]` runs draft step i)."""
+
+    def __init__(self, model_runner: Any, topk: int, speculative_num_steps: int) -> None:
+        if topk != 1:
+            raise ValueError(f"torch_native drafts chains only (--speculative-eagle-topk 1, got {topk})")
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.attn_backends = [TorchNativeDraftStep(model_runner, step)
+                              for step in range(speculative_num_steps - 1)]
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        for backend in self.attn_backends:
+            backend.init_forward_metadata(forward_batch)
+
+
+def create_backend(original, factory: Any, backend_name: str, backend_map: dict, error_template: str,
+                   stamps_children: bool = False) -> Any:
+    """Around `DraftBackendFactory._create_backend`: its map gains torch_native (the multi-step container
+    for the draft decode map, which alone stamps children; torch_native itself for the draft extend)."""
+    runner = factory.draft_model_runner
+
+    def multi_step():
+        steps = factory.speculative_num_steps
+        return TORCH_NATIVE, TorchNativeMultiStepDraftBackend(runner, factory.topk, steps)
+
+    def extend():  # the class the attention registry builds (cpu/parallel.py may have replaced it)
+        return TORCH_NATIVE, torch_native_backend.TorchNativeAttnBackend(runner)
+
+    entries = {TORCH_NATIVE: multi_step if stamps_children else extend}
+    return original(factory, backend_name, backend_map | entries, error_template, stamps_children)
+
+
+def forward_extend(original, backend: Any, q, k, v, layer, forward_batch: Any, save_kv_cache: bool = True):
+    """Around torch_native's `forward_extend`: a TARGET_VERIFY batch is a causal extend of its draft tokens
+    (num_draft_tokens each) after seq_len cached ones; every other batch is unchanged."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    seq_lens = forward_batch.seq_lens
+    draft_tokens = torch.full_like(seq_lens, forward_batch.spec_info.draft_token_num)
+    with lengths(forward_batch, extend_prefix_lens=seq_lens, extend_seq_lens=draft_tokens,
+                 seq_lens=seq_lens + draft_tokens):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def init_lm_head(original, worker: Any) -> None:
+    """Around `EagleDraftWorker.init_lm_head`: the draft shares the target's embedding and head through the
+    model's `set_embed_and_head`, which ends in `torch.cuda.synchronize()` in most models (deepseek_v2.py:
+    3442-3448 and a dozen others) and fails without a CUDA driver; on CPU there is no queue to wait for."""
+    with mock.patch.object(torch.cuda, "synchronize", lambda device=None: None):
+        original(worker)
+
+
+HOOKS = [
+    Hook("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", "around", init_lm_head,
+         "CPU mode, EAGLE/NEXTN: the draft takes the target's embedding and head without a CUDA synchronize"),
+    Hook("sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend", "around", create_backend,
+         "CPU mode, EAGLE/NEXTN: the draft's decode and extend backends exist for torch_native (per-step "
+         "lengths over the draft chain)"),
+    Hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend", "around",
+         forward_extend,
+         "CPU mode, EAGLE/NEXTN: the target's verify forward is a causal extend of the draft chain"),
+]
