@@ -35,17 +35,22 @@ def test_the_row_gains_one_last_column_and_sglangs_columns_stay_where_they_were(
 
 
 def test_after_the_gather_a_rank_reads_the_most_another_dp_rank_offloaded(monkeypatch):
-    from sglang.srt.runtime_context import get_parallel
+    import types
+
+    from sglang.srt import runtime_context
+
+    def as_dp_rank(rank):  # SGLang's own override validates against whatever groups earlier tests built
+        monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(attn_dp_rank=rank))
 
     monkeypatch.setattr(dp_peers, "_peer_offloaded_groups", None)
     assert dp_peers.dp_step(4) is None  # no gather yet: no DP attention as far as the snapshot knows
     rows = [_row(_info(n), groups, monkeypatch) for n, groups in [(5, 4), (0, 12), (2, 8)]]
     info = _info(5)
     info.tp0_info_cpu = torch.stack(rows)  # what all_gather leaves: one row per DP rank, in rank order
-    with get_parallel().override(attn_dp_rank=1):
-        dp_peers._after_all_gather(None, info)
+    as_dp_rank(1)
+    dp_peers._after_all_gather(None, info)
     assert dp_peers.peer_offloaded_groups() == 8  # rank 1's own 12 is not a peer's
     assert dp_peers.dp_step(12) == DpStep(offloaded_groups=12, peer_offloaded_groups=8)
-    with get_parallel().override(attn_dp_rank=0):
-        dp_peers._after_all_gather(None, info)
+    as_dp_rank(0)
+    dp_peers._after_all_gather(None, info)
     assert dp_peers.peer_offloaded_groups() == 12
