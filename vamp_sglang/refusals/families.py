@@ -71,6 +71,10 @@ FAMILIES: tuple[Family, ...] = (
         tiny_archs=("deepseek_v2", "deepseek_v3"),
         pools="the latent KV, one buffer per layer ([docs/deepseek.md](docs/deepseek.md))"),
     Family(
+        "GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air",
+        _archs("Glm4MoeForCausalLM"),
+        tiny_archs=("glm4_moe",), pools="KV"),
+    Family(
         "Qwen3.5 / Qwen3.6 MoE (hybrid)",
         _archs("Qwen3_5MoeForCausalLM Qwen3_5MoeForConditionalGeneration"),
         reason="SGLang builds Qwen3-Next's KV and Gated DeltaNet state pools for it (hybrid_gdn_config, "
@@ -80,10 +84,6 @@ FAMILIES: tuple[Family, ...] = (
                "fused_qk_gemma_rmsnorm[_with_gate]_cpu, fused_qkvzba_split_reshape_cat_contiguous_cpu; "
                "models/qwen3_5.py:283) that the CPU stand-in lacks; it would take those ops in torch and a "
                "tiny_moe family"),
-    Family(
-        "GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air",
-        _archs("Glm4MoeForCausalLM"),
-        reason=_UNTESTED),
     Family(
         "gpt-oss",
         _archs("GptOssForCausalLM"),
