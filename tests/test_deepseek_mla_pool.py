@@ -154,3 +154,26 @@ def test_an_mla_subclass_vamp_cannot_grow_is_refused_by_name(mla):
     pool.use_dsa = True
     with pytest.raises(kv_pool.UnsupportedPoolError, match="DSA indexer"):
         kv_pool.check_pool(pool)
+
+
+def test_an_mla_backend_sglang_picked_itself_that_bakes_the_page_count_is_refused_at_start(mla, monkeypatch):
+    """SGLang gives DeepSeek-V3 trtllm_mla on Blackwell with no attention flag (model_overrides/deepseek_v2.py),
+    which the launcher cannot see; the MLA pool's check reads the backends SGLang resolved."""
+    pool, _, _ = mla
+    resolved = {"--attention-backend": "trtllm_mla", "--decode-attention-backend": None,
+                "--prefill-attention-backend": None}
+    monkeypatch.setattr(kv_pool, "resolved_attention_backends", lambda: resolved)
+    with pytest.raises(kv_pool.UnsupportedPoolError, match="--attention-backend trtllm_mla .*TMA descriptor"):
+        kv_pool.check_pool(pool)
+    resolved["--attention-backend"] = "fa3"
+    kv_pool.check_pool(pool)  # reads the pool through pointers and strides: served
+
+
+def test_the_resolved_backends_are_read_from_fields_sglangs_exec_namespace_has():
+    from sglang.srt.arg_groups.fields.exec_ import ExecKernel
+
+    from vamp_sglang.refusals import attention
+
+    assert set(kv_pool.resolved_attention_backends()) <= set(attention.BACKEND_FLAGS)  # {} where unpublished
+    names = {flag.removeprefix("--").replace("-", "_") for flag in attention.BACKEND_FLAGS}
+    assert names <= set(ExecKernel.__struct_fields__)

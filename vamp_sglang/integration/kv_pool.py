@@ -32,6 +32,7 @@ import torch
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers, KVShrinkError
 from vamp_sglang.memory.layout import ExpertLayout
+from vamp_sglang.refusals import attention as attention_refusals
 
 # Every by-value copy of the pool size, refreshed by `publish_pool_size` (owner: attribute).
 SIZE_COPIES = (
@@ -57,6 +58,19 @@ def is_mla(pool: Any) -> bool:
     return memory_pool is not None and type(pool) is memory_pool.MLATokenToKVPool
 
 
+def resolved_attention_backends() -> dict[str, str | None]:
+    """{flag: backend} as SGLang resolved them (its model overrides publish to the exec namespace, never to
+    server_args); empty outside a server, where nothing was published."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        kernel = get_exec().kernel
+    except ValueError:  # "config namespace 'exec' not published": a pool built outside a server
+        return {}
+    return {flag: getattr(kernel, flag.removeprefix("--").replace("-", "_"))
+            for flag in attention_refusals.BACKEND_FLAGS}
+
+
 def check_pool(pool: Any) -> None:
     """Only the plain token-major MHA pool and the plain MLA latent pool are laid over growable buffers.
     MLA subclasses are refused by name: DSA's indexer cache (DSATokenToKVPool), FP4's scale buffers
@@ -64,7 +78,9 @@ def check_pool(pool: Any) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if is_mla(pool):
+        backend_refusal = attention_refusals.tma_backend_refusal(resolved_attention_backends())
         problems = [
+            (backend_refusal is not None, backend_refusal),
             (pool.use_dsa or pool.kv_scale_buffer is not None, "DSA indexer or KV scale buffers"),
             (pool.custom_mem_pool is not None, "a custom memory pool (PD disaggregation over NVLink)"),
             (pool.start_layer != 0, f"layers from {pool.start_layer} (pipeline parallelism)"),

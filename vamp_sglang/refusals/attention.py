@@ -26,8 +26,9 @@ A decode graph captures the decode backend and, with NGRAM speculative decoding,
 prefill backend unless `--speculative-attention-mode decode` (layers/attention/hybrid_attn_backend.py:79-88).
 On CPU no graph captures attention (torch_native turns CUDA graphs off, arg_groups/attention_hook.py:124-141,
 and converts only the rows it gathered per request, torch_native_backend.py:238-247), so CPU is not refused.
-Not caught here: a DeepSeek-V3-family model on Blackwell with no attention flag gets trtllm_mla from SGLang
-itself (arg_groups/model_overrides/deepseek_v2.py:178-187), and the launcher does not know the GPU.
+A DeepSeek-V3-family model on Blackwell with no attention flag gets trtllm_mla from SGLang itself
+(arg_groups/model_overrides/deepseek_v2.py:178-187) and the launcher does not know the GPU: that case is
+refused at scheduler start, when the MLA pool is laid out (integration/kv_pool.check_pool, same message).
 """
 
 from __future__ import annotations
@@ -151,14 +152,23 @@ def _fa3_tma_refusal(sg: argparse.Namespace, captured: list, mla: bool | None) -
             f"--attention-backend triton")
 
 
-def refused(sg: argparse.Namespace) -> str | None:
-    """The refusal, naming the flags, of an attention backend that bakes the pool's extent; or None."""
-    for flag in BACKEND_FLAGS:
-        backend = getattr(sg, flag.removeprefix("--").replace("-", "_"))
+def tma_backend_refusal(backends: dict[str, str | None]) -> str | None:
+    """The refusal of an MLA backend whose TMA descriptor bakes the page count, given {flag: backend}: the
+    launcher passes the flags as given, kv_pool.check_pool the backends SGLang resolved (the case the
+    launcher cannot see: SGLang picks trtllm_mla itself for DeepSeek-V3 on Blackwell)."""
+    for flag, backend in backends.items():
         if backend in TMA_MLA_BACKENDS:
             return (f"{flag} {backend} {_SUFFIX} (its kernel's TMA descriptor keeps the KV page count of "
                     f"graph capture, so tokens in grown pages would read as zeros); use fa3, flashinfer or "
                     f"triton")
+    return None
+
+
+def refused(sg: argparse.Namespace) -> str | None:
+    """The refusal, naming the flags, of an attention backend that bakes the pool's extent; or None."""
+    named = {flag: getattr(sg, flag.removeprefix("--").replace("-", "_")) for flag in BACKEND_FLAGS}
+    if refusal := tma_backend_refusal(named):
+        return refusal
     if (sg.device or "cuda") == "cpu":
         return None
     captured, mla = captured_backends(sg), is_mla(sg.model_path)
