@@ -2,15 +2,18 @@
 
 - SGLang's native MoE given another rank's -1 ids: the hook's output is the dense reference with the other
   rank's experts removed, and the two ranks' outputs add up to the whole MoE (what the all-reduce forms).
-- The gloo all_gatherv / reduce_scatterv stand-ins with uneven row counts, on a real 2-process gloo group.
+- The gloo all_gatherv stand-in with uneven row counts on a real 2-process gloo group; reduce_scatterv as
+  SGLang's all-reduce-and-narrow.
 - The launcher's CPU environment counts every pipeline stage's ranks.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
 import socket
+import subprocess
+import sys
 from functools import partial
 from types import SimpleNamespace
 
@@ -127,54 +130,57 @@ def test_with_nccl_the_originals_run():
 # ---- a 2-process gloo group on loopback ------------------------------------------------------------------
 
 SIZES = [3, 1]
+RANK_MAIN = """
+import json, sys
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from vamp_sglang.cpu.gathers import all_gatherv
+rank, port, sizes = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+group = SimpleNamespace(pynccl_comm=SimpleNamespace(available=False), device_group=dist.group.WORLD, world_size=2,
+                        rank_in_group=rank)
+def never(*args):
+    raise AssertionError("the NCCL path ran")
+rows = torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+ids = torch.full((sizes[rank], 3), rank, dtype=torch.int32)
+gathered, gathered_ids = all_gatherv(never, group, [rows, ids], sizes=sizes)
+out = torch.empty(sum(sizes), 2)
+returned = all_gatherv(never, group, rows, sizes=sizes, output=out)
+print(json.dumps([gathered.tolist(), gathered_ids.tolist(), returned[0] is out, out.tolist()]))
+dist.destroy_process_group()
+"""
 
 
-def _rank_main(rank: int, port: int, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        group = SimpleNamespace(pynccl_comm=SimpleNamespace(available=False), device_group=dist.group.WORLD,
-                                world_size=2, rank_in_group=rank,
-                                all_reduce=lambda t: (dist.all_reduce(t), t)[1])
-        group._deterministic_reduce_scatterv = partial(GroupCoordinator._deterministic_reduce_scatterv, group)
-        never = partial(pytest.fail, "the NCCL path ran")
-        rows = torch.arange(SIZES[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
-        ids = torch.full((SIZES[rank], 3), rank, dtype=torch.int32)
-        gathered, gathered_ids = parallel.all_gatherv(never, group, [rows, ids], sizes=SIZES)
-        out = torch.empty(sum(SIZES), 2)
-        returned = parallel.all_gatherv(never, group, rows, sizes=SIZES, output=out)
-        full = torch.arange(sum(SIZES) * 2, dtype=torch.float32).reshape(-1, 2) * (rank + 1)
-        scattered = parallel.reduce_scatterv(never, group, full, sizes=SIZES)
-        results[rank] = (gathered.tolist(), gathered_ids.tolist(), returned[0] is out, out.tolist(),
-                         scattered.tolist(), full.tolist())
-    finally:
-        dist.destroy_process_group()
-
-
-def test_gloo_all_gatherv_and_reduce_scatterv_with_uneven_sizes():
+def test_gloo_all_gatherv_with_uneven_sizes():
+    """Two fresh interpreters (no SGLang import, no inherited process group) on a loopback gloo group."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [ctx.Process(target=_rank_main, args=(rank, port, results)) for rank in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0, 0]
-        results = dict(results)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(rank), str(port), json.dumps(SIZES)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _out, err in results]
     expected_rows = [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [100.0, 101.0]]
-    for rank in range(2):
-        gathered, ids, in_place, out, scattered, _full = results[rank]
-        assert gathered == expected_rows and out == expected_rows and in_place
+    for out, _err in results:
+        gathered, ids, in_place, written = json.loads(out.strip().splitlines()[-1])
+        assert gathered == expected_rows and written == expected_rows and in_place
         assert ids == [[0] * 3] * 3 + [[1] * 3]
-        summed = [[a * 3 for a in row] for row in torch.arange(8.0).reshape(4, 2).tolist()]  # x*1 + x*2
-        first = sum(SIZES[:rank])
-        assert scattered == summed[first:first + SIZES[rank]]
+
+
+@pytest.mark.parametrize("rank", range(2))
+def test_reduce_scatterv_without_nccl_is_sglangs_all_reduce_and_narrow(rank):
+    """Uneven sizes through SGLang's own `_deterministic_reduce_scatterv`, on a group whose all-reduce sums two
+    ranks holding the same rows."""
+    group = SimpleNamespace(pynccl_comm=None, world_size=2, rank_in_group=rank, all_reduce=lambda t: t * 2)
+    group._deterministic_reduce_scatterv = partial(GroupCoordinator._deterministic_reduce_scatterv, group)
+    full = torch.arange(8.0).reshape(4, 2)
+    out = parallel.reduce_scatterv(partial(pytest.fail, "the NCCL path ran"), group, full, sizes=SIZES)
+    first = sum(SIZES[:rank])
+    assert torch.equal(out, 2 * full[first:first + SIZES[rank]])
+    assert torch.equal(full, torch.arange(8.0).reshape(4, 2))  # the input is left as it was
 
 
 # ---- the launcher's CPU environment ----------------------------------------------------------------------
