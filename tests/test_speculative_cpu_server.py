@@ -8,7 +8,9 @@
 - the same checkpoint with a draft that agrees (`agreeing_draft`), served with and without EAGLE: most
   drafts are accepted, some partly, so the accepted-token paths (the verify's later chain positions, the
   accepted cache locations, the draft extend over accepted tokens) decide the outputs, which must equal
-  the plain server's.
+  the plain server's;
+- the tiny Qwen3-MoE with its EAGLE3 draft (`--eagle3-draft`, random weights), `--speculative-algorithm
+  EAGLE3` with the same chain: its greedy outputs must equal transformers'.
 Prompts of several lengths one at a time, batched, and a second turn that reuses a cached prefix. The
 accept lengths SGLang measures are printed; the test asserts tokens, and acceptance only where the draft was
 built to agree.
@@ -24,14 +26,16 @@ import pytest
 import torch
 
 from eval.servers import Server, ServerConfig, ServerSetup, post_json
-from tests.test_deepseek_server import TransformersGreedy, tiny_deepseek
-from vamp_sglang.tiny_moe.checkpoint import MANIFEST, WEIGHTS
+from tests.test_deepseek_server import MODELS, TransformersGreedy, tiny_deepseek
+from vamp_sglang.tiny_moe.checkpoint import MANIFEST, WEIGHTS, make_checkpoint
 from vamp_sglang.tiny_moe.deepseek import MTP_WEIGHTS
+from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 
 pytestmark = [pytest.mark.server, pytest.mark.long]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
-EAGLE = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+CHAIN = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4")
+EAGLE = ("--speculative-algorithm", "EAGLE", *CHAIN)
 LENGTHS = (5, 17, 40, 9)
 DOMINANCE = 30.0  # embedding scale against layer outputs of unit RMS (each layer reads RMS-normed input)
 
@@ -101,6 +105,14 @@ def agreeing(tmp_path_factory):
     return serve_and_collect(model, ()), serve_and_collect(model, EAGLE)
 
 
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory):
+    target = make_checkpoint(MODELS / "tiny-qwen3-moe", arch="qwen3_moe")
+    draft = write_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "draft")
+    flags = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft), *CHAIN)
+    return serve_and_collect(target, flags), TransformersGreedy(target)
+
+
 def assert_same_tokens(eagle: dict, singles: list[list[int]], turn2: list[int]) -> None:
     assert eagle["singles"] == singles and all(len(o) == GREEDY["max_new_tokens"] for o in singles)
     assert eagle["batch"] == singles
@@ -124,3 +136,13 @@ def test_agreeing_draft_is_accepted_and_outputs_equal_the_plain_server(agreeing)
     assert_same_tokens(eagle, plain["singles"], plain["turn2"])
     assert sum(m["spec_num_correct_drafts"] for m in eagle["meta"]) > len(LENGTHS)  # drafts were accepted
     print(f"agreeing MTP draft, accept length per request: {accept_lengths(eagle)}")
+
+
+def test_eagle3_draft_outputs_equal_transformers(eagle3):
+    eagle, reference = eagle3
+    singles_in, _ = prompts()
+    new = GREEDY["max_new_tokens"]
+    expected = [reference.greedy(p, new) for p in singles_in]
+    assert_same_tokens(eagle, expected, reference.greedy(eagle["second"], new))
+    assert all(m["spec_verify_ct"] >= 1 for m in eagle["meta"])
+    print(f"random EAGLE3 draft (Qwen3-MoE), accept length per request: {accept_lengths(eagle)}")

@@ -1,5 +1,6 @@
-"""The tiny DeepSeek-V3's MTP layer (`--arch deepseek_v3`): the draft SGLang's NextN loader reads, in its own
-file, so transformers still loads the main file with no unexpected key; the other families write no draft."""
+"""Tiny drafts: the DeepSeek-V3 MTP layer (`--arch deepseek_v3`) SGLang's NextN loader reads, in its own file,
+so transformers still loads the main file with no unexpected key (the other families write no draft); and
+the EAGLE3 draft of a tiny Qwen3-MoE (`--eagle3-draft`)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def test_other_families_write_no_draft(tmp_path, fields):
     small = SMALL | ({"kv_heads": 2} if fields["arch"] == "qwen3_moe" else {})
     out = make_checkpoint(tmp_path, **fields, **small)
     assert not (out / MTP_WEIGHTS).exists() and "mtp_layers" not in read_manifest(out)["spec"]
+
+
+def test_eagle3_draft_is_the_llama_eagle3_layout(tmp_path, capsys):
+    """`--eagle3-draft`: one Llama layer reading [embed; fc(3 target hidden states)], the names SGLang's
+    LlamaForCausalLMEagle3 loads (`midlayer` -> `layers.0`), three distinct target layers to capture."""
+    from vamp_sglang.tiny_moe.__main__ import main
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    main([str(target), "--arch", "qwen3_moe", "--layers", "6", "--experts", "8", "--hidden", "64",
+          "--intermediate", "16", "--eagle3-draft", str(draft)])
+    assert "qwen3_moe" in capsys.readouterr().out
+    config = json.loads((draft / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert len(set(layers)) == 3 and max(layers) + 1 < 6  # SGLang captures layer id + 1
+    assert config["draft_vocab_size"] == config["vocab_size"] == read_manifest(target)["vocab_size"]
+    weights = draft / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in names(weights)}
+    assert shapes["fc.weight"] == (64, 3 * 64)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 64, 2 * 64)  # reads [embed; fc output]
+    assert shapes["lm_head.weight"] == (config["vocab_size"], 64) and "embed_tokens.weight" not in shapes
+    assert (draft / "tokenizer.json").is_file() and not (draft / "vamp_tiny_moe.json").exists()
+
+
+def test_eagle3_draft_needs_a_qwen3_moe_target(tmp_path):
+    from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
+
+    target = make_checkpoint(tmp_path / "v2", arch="deepseek_v2", **SMALL)
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        write_eagle3_draft(target, tmp_path / "draft")

@@ -1,6 +1,7 @@
 """A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
 
     python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N] [--quant fp8]
+        [--eagle3-draft DRAFT_DIR]
 
 Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per
 token, and whatever else the family records). A spec that fails its checks is a usage error (exit 2).
@@ -21,6 +22,7 @@ from vamp_sglang.tiny_moe.checkpoint import (
     write_checkpoint,
 )
 from vamp_sglang.tiny_moe.common import QUANTS
+from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 from vamp_sglang.tiny_moe.fp8 import FP8_INTERMEDIATE
 
 
@@ -46,14 +48,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
     parser.add_argument("--quant", choices=QUANTS, default=defaults.quant,
                         help="fp8: block-quantised FP8 projections, with the bf16 source in OUT_DIR/bf16")
+    parser.add_argument("--eagle3-draft", type=Path, default=None, metavar="DRAFT_DIR",
+                        help="also write an EAGLE3 draft of the checkpoint there (--arch qwen3_moe)")
     args = parser.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k != "out_dir" and v is not None}
+    fields = {k: v for k, v in vars(args).items()
+              if k not in ("out_dir", "eagle3_draft") and v is not None}
     if args.quant == "fp8" and args.intermediate is None:
         fields["intermediate"] = FP8_INTERMEDIATE
     start_s = time.perf_counter()
     try:
         spec = spec_for(**fields)
         out = write_checkpoint(args.out_dir, spec)
+        if args.eagle3_draft is not None:
+            write_eagle3_draft(out, args.eagle3_draft)
     except ValueError as exc:
         parser.error(str(exc))
     manifest = read_manifest(out)
