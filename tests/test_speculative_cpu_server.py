@@ -119,15 +119,19 @@ def assert_same_tokens(eagle: dict, singles: list[list[int]], turn2: list[int]) 
     assert eagle["cached"] >= LENGTHS[2] and eagle["turn2"] == turn2  # the second turn hit the cache
 
 
-def test_random_draft_outputs_equal_transformers(as_written):
-    eagle, reference = as_written
-    singles_in, _ = prompts()
+def assert_transformers_tokens(eagle: dict, reference: TransformersGreedy) -> None:
+    """The speculative server's tokens against transformers' greedy decoding of the same requests; every
+    request verified drafts (3 per verify, each verify committing at least the target's own token)."""
     new = GREEDY["max_new_tokens"]
-    expected = [reference.greedy(p, new) for p in singles_in]
+    expected = [reference.greedy(p, new) for p in prompts()[0]]
     assert_same_tokens(eagle, expected, reference.greedy(eagle["second"], new))
-    for meta in eagle["meta"]:  # 3 drafts per verify; each verify commits at least the target's own token
+    for meta in eagle["meta"]:
         assert meta["spec_verify_ct"] >= 1 and meta["spec_num_proposed_drafts"] == 3 * meta["spec_verify_ct"]
-    print(f"random MTP draft, accept length per request: {accept_lengths(eagle)}")
+
+
+def test_random_draft_outputs_equal_transformers(as_written):
+    assert_transformers_tokens(*as_written)
+    print(f"random MTP draft, accept length per request: {accept_lengths(as_written[0])}")
 
 
 def test_agreeing_draft_is_accepted_and_outputs_equal_the_plain_server(agreeing):
@@ -139,10 +143,5 @@ def test_agreeing_draft_is_accepted_and_outputs_equal_the_plain_server(agreeing)
 
 
 def test_eagle3_draft_outputs_equal_transformers(eagle3):
-    eagle, reference = eagle3
-    singles_in, _ = prompts()
-    new = GREEDY["max_new_tokens"]
-    expected = [reference.greedy(p, new) for p in singles_in]
-    assert_same_tokens(eagle, expected, reference.greedy(eagle["second"], new))
-    assert all(m["spec_verify_ct"] >= 1 for m in eagle["meta"])
-    print(f"random EAGLE3 draft (Qwen3-MoE), accept length per request: {accept_lengths(eagle)}")
+    assert_transformers_tokens(*eagle3)
+    print(f"random EAGLE3 draft (Qwen3-MoE), accept length per request: {accept_lengths(eagle3[0])}")
