@@ -96,10 +96,32 @@ def test_standard_ids_keep_routed_steps(model):
     engine.close()
 
 
-def _serve(model, engine, format_name, steps):
+def test_global_ids_under_expert_parallelism_count_as_no_ids(model):
+    """Under EP, a runner that keeps global expert ids (SGLang's StandardDispatcher skips its local mapping)
+    hands STANDARD ids that are not this rank's rows: the layer stages whole, as for a format without ids."""
+    import inspect
+
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatcher
+
+    assert "self.skip_local_expert_mapping =" in inspect.getsource(StandardDispatcher.__init__)
+    _backend, _weights, layout, stores = model
+    offload(stores, layout.bound_groups)
+    engine = StagingEngine(stores, "async", staging="routed", top_k=TOP_K)
+    ep_global = {"moe_ep_size": 2, "dispatcher": SimpleNamespace(skip_local_expert_mapping=True)}
+    stats = _serve(model, engine, "standard", steps=3, **ep_global)
+    assert engine.chooser.layers_without_ids == {s.layer_id for s in stores}
+    assert stats.by_mode[WHOLE]["steps"] == 2, stats.by_mode
+    engine.close()
+    engine = StagingEngine(stores, "async", staging="routed", top_k=TOP_K)  # mapped (local) ids stay routed
+    ep_local = {"moe_ep_size": 2, "dispatcher": SimpleNamespace(skip_local_expert_mapping=False)}
+    assert _serve(model, engine, "standard", steps=3, **ep_local).by_mode[ROUTED]["steps"] == 3
+    engine.close()
+
+
+def _serve(model, engine, format_name, steps, **layer_attrs):
     """`steps` forwards through the staging hooks, each bit for bit against the unpaged stack; the stats."""
     backend, weights, layout, stores = model
-    layers = {s.layer_id: SimpleNamespace(layer_id=s.layer_id) for s in stores}
+    layers = {s.layer_id: SimpleNamespace(layer_id=s.layer_id, **layer_attrs) for s in stores}
     experts = moe_staging.ModelExperts(backend, layout, None, stores, engine, layers)
     for seed in range(steps):
         x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed))

@@ -239,7 +239,7 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
     if experts.layers.get(layer.layer_id) is not layer or not staging_breaks(experts):
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
     check_capture_stream(layer.layer_id)
-    topk_ids = routed_ids(*args, **kwargs)
+    topk_ids = None if keeps_global_expert_ids(layer) else routed_ids(*args, **kwargs)
     if topk_ids is None:  # seen at capture (before any served step) or at the first eager forward
         experts.engine.chooser.without_routed_ids(layer.layer_id)
     staging_break()(experts.engine, layer.layer_id, topk_ids)
@@ -299,6 +299,16 @@ def routed_ids(dispatch_output: Any = None, **kwargs: Any) -> torch.Tensor | Non
     dispatch_output = kwargs.get("dispatch_output", dispatch_output)
     topk_ids = getattr(getattr(dispatch_output, "topk_output", None), "topk_ids", None)
     return topk_ids if isinstance(topk_ids, torch.Tensor) else None
+
+
+def keeps_global_expert_ids(layer: Any) -> bool:
+    """Under expert parallelism, runners that take global expert ids (FlashInfer CUTLASS/CuteDSL/TRT-LLM,
+    hpc_ops, MXFP4: `_keeps_global_expert_ids`, token_dispatcher/standard.py:105-114) get a STANDARD top-k
+    output whose ids were never mapped to this rank's rows (standard.py:225-227). Read as local rows they
+    would stage another rank's experts and leave this rank's stale, so such a layer counts as one without
+    ids: it stages its whole region."""
+    dispatcher = getattr(layer, "dispatcher", None)
+    return getattr(layer, "moe_ep_size", 1) > 1 and bool(getattr(dispatcher, "skip_local_expert_mapping", False))
 
 
 @functools.cache
