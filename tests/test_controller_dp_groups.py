@@ -43,11 +43,13 @@ def test_without_dp_attention_the_whole_tp_group_agrees_and_replicas_keep_apart(
     assert round_group(0, 2, 2, dp_attention=False, replica_dp_rank=1) == RoundGroup(0, 2, 1, 1)
 
 
-def test_attention_cp_peers_get_their_own_groups_within_one_dp_rank():
-    # tp 8, dp 2, attention-CP 2, attention-TP 2: ranks (dp, cp, tp) with tp fastest
+def test_attention_cp_peers_share_their_dp_ranks_round():
+    # tp 8, dp 2, attention-CP 2, attention-TP 2: ranks (dp, cp, tp) with tp fastest; the CP peers of one DP
+    # rank run its batch on its pool, and SGLang checks they agree, so they agree on its pool size too
     groups = [round_group(r, 8, 2, dp_attention=True, attn_cp_size=2) for r in range(8)]
-    assert [g.group_id for g in groups] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [g.group_id for g in groups] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [g.dp_rank for g in groups] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [(g.rank, g.world_size) for g in groups] == [(r % 4, 4) for r in range(8)]
 
 
 def test_bad_topologies_are_named():
@@ -136,6 +138,9 @@ def test_across_nodes_a_dp_group_whose_leader_is_not_on_node_0_is_refused_before
     # tp 4 over 2 nodes, dp 2: DP rank 1's leader is TP rank 2, on node 1
     with pytest.raises(ConfigError, match=r"DP rank 1's controller leader \(attention-TP rank 0, TP rank 2\) on node 1"):
         launch_server.prepare([*argv, "--dp-size", "2"])
+    plain = [a for a in argv if a != "--enable-dp-attention"]  # SGLang 0.5.23's own spelling of the same
+    with pytest.raises(ConfigError, match=r"--attn-dp-size 2 with --nnodes 2 puts DP rank 1's controller leader"):
+        launch_server.prepare([*plain, "--attn-dp-size", "2"])
     # attention-TP 1: no rounds, so only the usual multi-node checks remain (here: the key file)
     with pytest.raises(ConfigError, match="--vamp-controller-key-file"):
         launch_server.prepare([*argv, "--dp-size", "4"])

@@ -3,7 +3,7 @@
 Under plain TP every TP rank runs the same batch on a replica of one pool, so the round spans the TP group.
 Under DP attention (`--enable-dp-attention --dp-size D`) each DP rank has its own scheduler, radix tree and
 KV pool and reaches the shortfall funnel on its own: the round spans that DP rank's attention-TP group,
-SGLang's `get_dp_tp_group()` (layers/dp_attention.py), with its attention-TP rank 0 as leader and one
+SGLang's `get_dp_tp_group()` (layers/dp_attention.py), and its attention-CP peers, with rank 0 as leader and one
 endpoint per DP rank (ipc socket `vamp-ctl-<g>.sock`, or TCP port + g). A DP rank therefore never waits on
 another DP rank's round, and with attention-TP 1 (the DeepSeek/Kimi preset, tp 8 dp 8) there is no round.
 Plain `--dp-size` replicas without DP attention are separate TP groups, one per replica.
@@ -26,8 +26,10 @@ class RoundGroup:
 def round_group(tp_rank: int, tp_size: int, attn_tp_size: int, dp_attention: bool, attn_cp_size: int = 1,
                 replica_dp_rank: int | None = None) -> RoundGroup:
     """The round group of TP rank `tp_rank`. SGLang lays ranks out (dp, cp, tp) with tp fastest
-    (runtime_context.derive_attention_ranks), so an attention-TP group is `attn_tp_size` consecutive TP
-    ranks; numbering groups by tp_rank // attn_tp_size keeps attention-CP peers' groups apart too."""
+    (runtime_context.derive_attention_ranks), so one DP rank's ranks are `attn_tp_size * attn_cp_size`
+    consecutive TP ranks. Its attention-CP peers run the same batch on the same pool, and SGLang checks
+    that they and the attention-TP ranks agree (managers/scheduler.py init_rank_consensus_checker), so
+    the round spans both: pools that grew apart there would make the replicated schedulers diverge."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}) (got {tp_rank})")
     if not dp_attention:
@@ -35,8 +37,8 @@ def round_group(tp_rank: int, tp_size: int, attn_tp_size: int, dp_attention: boo
     if min(attn_tp_size, attn_cp_size) < 1 or tp_size % (attn_tp_size * attn_cp_size):
         raise ValueError(f"attention-TP size {attn_tp_size} x attention-CP size {attn_cp_size} must divide "
                          f"the TP size {tp_size}")
-    return RoundGroup(tp_rank % attn_tp_size, attn_tp_size, tp_rank // attn_tp_size,
-                      tp_rank // (attn_tp_size * attn_cp_size))
+    span = attn_tp_size * attn_cp_size
+    return RoundGroup(tp_rank % span, span, tp_rank // span, tp_rank // span)
 
 
 def sglang_round_group() -> RoundGroup:

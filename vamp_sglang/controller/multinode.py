@@ -62,17 +62,26 @@ def _check_topology(sg: argparse.Namespace) -> None:
                           "it the nodes never meet and VAMP's ranks cannot agree")
 
 
+def attention_dp_size(sg: argparse.Namespace) -> int:
+    """The DP-attention ranks the flags ask for: `--attn-dp-size` (SGLang 0.5.23's spelling), else the deprecated
+    `--enable-dp-attention` with `--dp-size` (arg_groups/parallel_hook.py); 1 without DP attention."""
+    if getattr(sg, "attn_dp_size", 1) > 1:
+        return sg.attn_dp_size
+    return getattr(sg, "dp_size", 1) if getattr(sg, "enable_dp_attention", False) else 1
+
+
 def _check_dp_leaders(sg: argparse.Namespace) -> None:
     """Under DP attention each DP rank's attention-TP rank 0 leads its group's round (controller/groups.py), and a
     leader binds on --dist-init-addr's host, node 0's: a group whose leader lives on another node could not
     bind. With attention-TP 1 there is no round, so nothing is refused."""
-    dp = getattr(sg, "dp_size", 1) if getattr(sg, "enable_dp_attention", False) else 1
+    dp = attention_dp_size(sg)
     if dp <= 1 or sg.tp_size % dp or sg.tp_size // dp == 1:
         return
     attn_tp, per_node = sg.tp_size // dp, sg.tp_size // sg.nnodes
     remote = [g for g in range(dp) if g * attn_tp // per_node != 0]
     if remote:
-        raise ConfigError(f"--enable-dp-attention --dp-size {dp} with --nnodes {sg.nnodes} puts DP rank {remote[0]}'s "
+        given = "--attn-dp-size" if getattr(sg, "attn_dp_size", 1) > 1 else "--enable-dp-attention --dp-size"
+        raise ConfigError(f"{given} {dp} with --nnodes {sg.nnodes} puts DP rank {remote[0]}'s "
                           f"controller leader (attention-TP rank 0, TP rank {remote[0] * attn_tp}) on node "
                           f"{remote[0] * attn_tp // per_node}, where it cannot bind the controller endpoint on node 0; "
-                          f"use --dp-size {sg.tp_size} (attention-TP 1: no rounds) or one node")
+                          f"use {given.split()[-1]} {sg.tp_size} (attention-TP 1: no rounds) or one node")
