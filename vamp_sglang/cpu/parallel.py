@@ -36,7 +36,8 @@ def moe_forward_native_skipping_other_ranks(original, layer: Any, x: torch.Tenso
 
     Each top-k slot is one call of SGLang's function with k = 1 on the tokens whose slot names a local
     expert, weighted by the slot's routing weight there; the slots' outputs are summed in the weights'
-    dtype, as SGLang sums a token's slots."""
+    dtype. Each call returns x's dtype, so under bf16 every slot is rounded before the sum, where SGLang
+    rounds once after it: exact in float32 (the tests' dtype), within bf16 rounding otherwise."""
     topk_weights, topk_ids = topk_output[0], topk_output[1]
     if not bool((topk_ids < 0).any()):
         return original(layer, x, topk_output, moe_runner_config)
