@@ -8,6 +8,7 @@ which is what a model without speculation computes. Tree drafts are refused on C
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -145,6 +146,17 @@ def test_tree_drafts_are_refused_on_cpu_naming_the_flag(ratio):
     prepare([*SPEC, "--speculative-eagle-topk", "1", "--vamp-max-offload-ratio", "0"])  # chains are served
     prepare([*SPEC[:4], "--device", "cuda", *SPEC[6:], "--speculative-eagle-topk", "2",
              "--vamp-max-offload-ratio", "0"])
+
+
+def test_a_tree_sglang_would_pick_itself_is_refused_on_cpu(tmp_path):
+    """Left out, the top-k is SGLang's choice: 4 (a tree) for Llama and Grok targets, 1 for the rest."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    llama = [*SPEC[:1], str(tmp_path), *SPEC[2:], "--vamp-max-offload-ratio", "0"]
+    with pytest.raises(ConfigError, match="--speculative-eagle-topk left out .* LlamaForCausalLM"):
+        prepare(llama)
+    prepare([*llama, "--speculative-eagle-topk", "1"])
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    prepare(llama)  # SGLang picks top-k 1 for DeepSeek's MTP: a chain
 
 
 def test_cli_refusal_exits_2_within_a_second():

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
+from vamp_sglang.local_config import local_model_config
+
 TOPK = "--speculative-eagle-topk"
+# Targets for which SGLang picks a tree draft (top-k 4) when the flag is left out
+# (arg_groups/speculative_hook.py _auto_choose_speculative_params; STANDALONE always gets top-k 1).
+TREE_BY_DEFAULT = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +27,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def refused(sg: argparse.Namespace) -> str | None:
     """The refusal naming the flag, for a tree draft on CPU; or None."""
     topk = sg.speculative_eagle_topk
-    if (sg.device or "cuda") != "cpu" or not sg.speculative_algorithm or topk in (None, 1):
+    algorithm = (sg.speculative_algorithm or "").upper()
+    if (sg.device or "cuda") != "cpu" or not algorithm or topk == 1:
         return None
+    if topk is None:
+        if algorithm in ("NGRAM", "STANDALONE"):  # SGLang's auto-pick gives these no tree
+            return None
+        architectures = local_model_config(sg.model_path).get("architectures") or []
+        if not set(architectures) & set(TREE_BY_DEFAULT):
+            return None
+        return (f"{TOPK} left out is not supported with --device cpu for {architectures[0]}: SGLang then "
+                f"picks a tree draft (top-k 4), and CPU mode drafts chains only; pass {TOPK} 1")
     return (f"{TOPK} {topk} is not supported with --device cpu: CPU mode drafts chains "
             f"only (torch_native applies no tree mask); use {TOPK} 1")
