@@ -121,6 +121,36 @@ def test_nothing_offloaded_stages_nothing_in_any_mode(model):
         engine.close()
 
 
+def ep_local_ids(tokens, ep_size, generator):
+    """Rank 0's top-k ids under expert parallelism: uniform top-k over all EXPERTS * ep_size routed experts,
+    those of other ranks as -1 (SGLang's local mapping for the standard dispatcher)."""
+    ids = torch.rand(tokens, EXPERTS * ep_size, generator=generator).topk(TOP_K).indices
+    return torch.where(ids < EXPERTS, ids, -1)
+
+
+def test_under_ep_the_expected_routed_rows_count_every_rank_s_experts(model):
+    """Issue 45: a rank's stores hold its routed/ep local experts, but the router picks among all of them.
+    Under uniform routing the estimate over the global count needs no correction (observed/expected ~ 1);
+    one over the local count expected about ep times the rows actually routed."""
+    _backend, _weights, layout, stores = model
+    offload(stores, layout.bound_groups)
+    ep_size, tokens, generator = 2, 4, torch.Generator().manual_seed(7)
+    engine = StagingEngine(stores, "sync", staging="routed", top_k=TOP_K, ep_size=ep_size)
+    offloaded_rows = stores[0].routed_experts - stores[0].boundary_expert
+    assert engine.chooser.expected_rows(tokens, offloaded_rows) == pytest.approx(
+        offloaded_rows * (1 - (1 - TOP_K / (EXPERTS * ep_size)) ** tokens))
+    for _ in range(200):
+        engine.begin_forward(tokens)
+        for lid in LAYERS:
+            engine.before_moe(lid, ep_local_ids(tokens, ep_size, generator))
+            engine.after_moe(lid)
+    engine.begin_forward(tokens)  # reads the last step's copies
+    assert engine.chooser.routed_ratio == pytest.approx(1.0, abs=0.2)
+    with pytest.raises(ValueError, match="ep_size"):
+        StagingEngine(stores, "sync", ep_size=0)
+    engine.close()
+
+
 def test_expected_routed_fraction_is_one_minus_miss_probability_to_the_tokens():
     assert expected_routed_fraction(2, 128, 4) == pytest.approx(1 - (126 / 128) ** 4)  # tiny model: ~6%
     assert expected_routed_fraction(2, 128, 4) == pytest.approx(0.0611, abs=1e-3)

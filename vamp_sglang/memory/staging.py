@@ -52,14 +52,21 @@ class StagingEngine:
     def __init__(self, stores: Sequence[ExpertStore], mode: str = "async",
                  is_capturing: Callable[[], bool] | None = None, split_w2_wait: bool = False,
                  staging: str = WHOLE, top_k: int | None = None,
-                 routed_copier: Callable[[ExpertStore, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 routed_copier: Callable[[ExpertStore, torch.Tensor], torch.Tensor] | None = None,
+                 ep_size: int = 1) -> None:
         """`is_capturing()` says whether the current stream is capturing a CUDA graph (default: torch's
         check on CUDA, never on the host). `split_w2_wait`: `before_moe` waits only for w13 and the
         caller calls `before_down_proj` before the down projection reads w2 (paper V-B). `staging`: auto,
         whole or routed (issue 12); `top_k` is the router's, `routed_copier(store, topk_ids)` enqueues a
-        routed copy on the current CUDA stream and returns its device row count (the host copies itself)."""
+        routed copy on the current CUDA stream and returns its device row count (the host copies itself).
+        `ep_size` is the MoE's expert-parallel size (SGLang's `moe_ep_size`): the stores hold this rank's
+        routed/ep experts, but the router picks its top-k among all of them, so a local expert is selected
+        by T tokens with probability 1-(1-k/(E_local * ep))^T; priced with E_local the routed rows came out
+        about ep times too many until the measured ratio corrected them (issue 45)."""
         if mode not in STAGING_MODES:
             raise ValueError(f"staging mode must be one of {', '.join(STAGING_MODES)} (got {mode!r})")
+        if ep_size < 1:
+            raise ValueError(f"ep_size must be at least 1 (got {ep_size})")
         self.mode = mode
         self.split_w2_wait = split_w2_wait
         self._stores = list(stores)
@@ -75,8 +82,8 @@ class StagingEngine:
         if self._cuda and staging != WHOLE and routed_copier is None:
             raise ValueError(f"staging {staging!r} on CUDA needs a routed_copier")
         self._routed_copier = routed_copier
-        experts = self._stores[0].routed_experts if self._stores else 0
-        self.chooser = StagingChooser(staging, top_k, experts, measure_steps=not self._cuda)
+        global_routed = self._stores[0].routed_experts * ep_size if self._stores else 0
+        self.chooser = StagingChooser(staging, top_k, global_routed, measure_steps=not self._cuda)
         self._step_mode, self._step_tokens, self._step_start = WHOLE, None, 0.0
         self._pending: dict[int, StagedCopy] = {}  # eligible index -> copy in flight
         self._w2_pending: dict[int, StagedCopy] = {}  # split waits: w13 waited, w2 not yet
