@@ -28,7 +28,7 @@ session's last turn tagged with its session and every other session closed, so t
 (open, refs, the tree's priority) and evictions take the closed sessions' turns.
 
 `--tree-core rust`: the same trees with VAMP's order kept beside SGLang's Rust core (`VampRustTreeCore`,
-integration/radix_rust.py); `sglang_evict` is then stock SGLang's default tree, the Rust core with its LRU walk.
+integration/cache/radix_rust.py); `sglang_evict` is then stock SGLang's default tree, the Rust core with its LRU walk.
 
 After each eviction the evicted turns are written back, so every repeat sees the same tree.
 Prints the medians and p99s and their ratio to SGLang's eviction, as JSON too; a script, not a
@@ -56,7 +56,7 @@ from sglang.test.unified_allocator_fixtures import setup_allocator_context
 from tqdm import tqdm
 
 from eval.cachesim.tree import tag_session
-from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
 from vamp_sglang.policy import Coefficients, OffloadState, Snapshot, plan
 
 SYSTEM_PROMPT_TOKENS = 256

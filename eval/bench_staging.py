@@ -38,7 +38,7 @@ from eval.bench_memory import Contention
 from vamp_sglang.block_fp8 import BLOCK
 from vamp_sglang.cpu import fp8 as cpu_fp8
 from vamp_sglang.cpu.fp8 import FP8_W8A16, fused_experts
-from vamp_sglang.integration.moe_staging import ModelExperts, run_moe_core_staged
+from vamp_sglang.integration.staging.moe_staging import ModelExperts, run_moe_core_staged
 from vamp_sglang.memory.backend_choice import select_backend
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.staging import StagingEngine

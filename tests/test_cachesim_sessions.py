@@ -21,7 +21,7 @@ from eval.cachesim.sim import simulate
 from eval.cachesim.tree import TreeReplay, build, prepare
 from eval.cachesim.workload import build_requests
 from eval.trace_format import TraceRequest, dump_trace
-from vamp_sglang.integration import radix_backend
+from vamp_sglang.integration.cache import radix_backend
 
 BLOCK_TOKENS, FIRST_BLOCKS, GROWTH_BLOCKS, OUTPUT_TOKENS = 32, 8, 2, 16
 ACTIVE_SESSIONS = 8  # taking turns round-robin; a session that ends is replaced by the next

@@ -10,7 +10,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from eval.cachesim.tree import build, prepare
-from vamp_sglang.integration import radix_tree
+from vamp_sglang.integration.cache import radix_tree
 
 
 @pytest.fixture(scope="module", autouse=True)

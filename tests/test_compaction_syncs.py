@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vamp_sglang.integration import compaction, radix_tree
+from vamp_sglang.integration.cache import radix_tree
+from vamp_sglang.integration.memory import compaction
 
 _CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from eval.servers import Server, ServerConfig, ServerSetup, ensure_tiny_model, free_port, get_json, post_json
-from vamp_sglang.integration.metrics import GAUGES
+from vamp_sglang.integration.metrics.prometheus import GAUGES
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "eval" / "grafana" / "vamp-dashboard.json"
@@ -57,7 +57,7 @@ def test_every_series_is_published_by_vamp_or_defined_by_the_installed_sglang():
         assert names, f"{title}: no vamp or sglang series in {expr}"
         for name in names:
             if name.startswith("vamp:"):
-                assert name in vamp, f"{title}: {name} is not a vamp:* series (vamp_sglang/integration/metrics.py)"
+                assert name in vamp, f"{title}: {name} is not a vamp:* series (vamp_sglang/integration/metrics/prometheus.py)"
             else:
                 base = re.sub(r"_(bucket|count|sum)$", "", name)
                 assert f'name="{base}"' in sglang_source, f"{title}: SGLang does not define {base}"

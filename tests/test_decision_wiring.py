@@ -28,14 +28,9 @@ from tests.test_integration_memory import (  # noqa: F401 (fixtures)
     vamp,
 )
 from vamp_sglang.config import VampConfig
-from vamp_sglang.integration import (
-    decision_hooks,
-    radix_backend,
-    radix_eviction,
-    radix_tree,
-    runtime,
-    step_measurements,
-)
+from vamp_sglang.integration import runtime
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.decisions import decision_hooks, step_measurements
 from vamp_sglang.integration.runtime import VampRuntime
 from vamp_sglang.policy import Coefficients
 
@@ -182,7 +177,7 @@ def test_a_busy_restore_moves_rows_only_after_the_forward_run_batch_launched(mak
     """Issue 19.7: under the overlap scheduler the busy restore runs right after `run_batch` launched the
     next forward, which may still write rows of a request that just finished (its nodes unlocked);
     compaction copied them with nothing ordering the copies after that forward."""
-    from vamp_sglang.integration import compaction
+    from vamp_sglang.integration.memory import compaction
 
     dm = maker.make()
     offload_and_cache_the_tail(maker, groups=2, prompts=2, tokens_each=30)
@@ -241,7 +236,7 @@ def test_the_guard_charges_a_decode_step_only_what_it_waited_for_staging(maker, 
 def test_the_guard_cap_is_agreed_each_time_a_decision_evaluates_it(two_ranks):  # noqa: F811
     """Issue 19.11: the cap was agreed once per 256 steps and reused, so a cap agreed while decode was
     fast let offloads go on after a rank's decode slowed. Two ranks over real ipc sockets."""
-    from vamp_sglang.integration.plan_inputs import PlanInputs
+    from vamp_sglang.integration.decisions.plan_inputs import PlanInputs
     from vamp_sglang.policy.tpot_guard import TpotGuard
 
     rounds, step = two_ranks
@@ -289,7 +284,7 @@ def test_a_view_agreed_while_a_rank_was_missing_is_agreed_again_once_the_rounds_
     it, so VAMP stayed off for the server's life. Two ranks over real ipc sockets."""
     from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS
     from vamp_sglang.faults import Faults
-    from vamp_sglang.integration.plan_inputs import VIEW_RECHECK_STEPS, PlanInputs
+    from vamp_sglang.integration.decisions.plan_inputs import VIEW_RECHECK_STEPS, PlanInputs
 
     rounds, step = two_ranks
     memory = SimpleNamespace(headroom_groups=lambda: 4, tokens_for=lambda groups: 100 * groups)
@@ -315,7 +310,7 @@ def test_a_hybrid_models_restore_compacts_the_full_attention_pool_the_trigger_ha
 
     from tests.test_integration_memory import HEAD_DIM, KV_HEADS, LAYERS, POOL_TOKENS
     from tests.test_radix_hybrid import req_pool
-    from vamp_sglang.integration import expert_memory, expert_memory_hooks
+    from vamp_sglang.integration.memory import expert_memory, expert_memory_hooks
 
     reqs = req_pool()
     wrapper = HybridLinearKVPool(size=POOL_TOKENS, dtype=torch.float32, page_size=1, head_num=KV_HEADS,

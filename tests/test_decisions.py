@@ -25,16 +25,10 @@ from vamp_sglang.config import VampConfig
 from vamp_sglang.controller import RankController
 from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS, RankRounds
 from vamp_sglang.faults import Faults
-from vamp_sglang.integration import (
-    decision_hooks,
-    plan_inputs,
-    radix_backend,
-    radix_eviction,
-    radix_tree,
-    restore_trigger,
-)
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.decisions import decision_hooks, plan_inputs, restore_trigger
+from vamp_sglang.integration.decisions.shortfall import DecisionMaker
 from vamp_sglang.integration.runtime import VampRuntime
-from vamp_sglang.integration.shortfall import DecisionMaker
 
 EVICT = BaseTokenToKVPoolAllocator.evict_to_free_tokens  # SGLang's own (no hooks in this process)
 
@@ -297,7 +291,7 @@ def test_the_tpot_guard_caps_what_a_decision_may_offload(maker):
 
 
 def test_an_error_in_restore_bookkeeping_never_reaches_the_scheduler(maker, monkeypatch):
-    from vamp_sglang.integration import compaction
+    from vamp_sglang.integration.memory import compaction
 
     dm = maker.make()
     offload_and_cache_the_tail(maker, groups=2, prompts=2, tokens_each=30)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from tests.test_decisions import allocator_context, cache_prompts, maker  # noqa: F401 (fixtures)
 from tests.test_integration_memory import fused_shared_experts, sglang_moe, vamp  # noqa: F401 (fixtures)
 from vamp_sglang.controller.rounds import ROUND_BACKOFF_STEPS
-from vamp_sglang.integration import restore_trigger
+from vamp_sglang.integration.decisions import restore_trigger
 
 
 def test_idle_restore_counts_wall_clock_not_polls_and_never_evicts_for_nothing(maker, monkeypatch):  # noqa: F811

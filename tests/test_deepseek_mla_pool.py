@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.test_integration_memory import GRAN, LAYERS, POOL_TOKENS, make_layers, sglang_moe  # noqa: F401
-from vamp_sglang.integration import compaction, kv_pool, moe_staging
-from vamp_sglang.integration import expert_memory as em
-from vamp_sglang.integration import expert_memory_hooks as hooks
+from vamp_sglang.integration.memory import compaction, kv_pool
+from vamp_sglang.integration.memory import expert_memory as em
+from vamp_sglang.integration.memory import expert_memory_hooks as hooks
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.backend import LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
 
@@ -109,7 +110,7 @@ def test_offload_grows_the_latent_pool_in_place_and_restore_gives_it_back(mla):
 
 
 def test_compaction_moves_cached_latent_rows_below_the_smaller_pool(mla):
-    """Restore's compaction (integration/compaction.py) on an MLA pool: the cached rows above the kept size
+    """Restore's compaction (integration/memory/compaction.py) on an MLA pool: the cached rows above the kept size
     move with their latent bytes, the tree points at them, and the prefix still matches."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -117,7 +118,7 @@ def test_compaction_moves_cached_latent_rows_below_the_smaller_pool(mla):
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-    from vamp_sglang.integration import radix_backend, radix_tree
+    from vamp_sglang.integration.cache import radix_backend, radix_tree
 
     radix_backend.install()
     pool, alloc, memory = mla

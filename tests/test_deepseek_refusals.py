@@ -1,6 +1,7 @@
 """MLA pools VAMP cannot grow are refused by the launcher before anything loads, naming the flag or the
 config field: DeepSeek Sparse Attention's indexer cache (a DSA architecture with index_topk), KV dtypes with
-per-layer scale buffers, and MTP draft pools (--speculative-algorithm NEXTN). With VAMP off they reach SGLang."""
+per-layer scale buffers. MTP draft pools (--speculative-algorithm NEXTN) grow with the target's and are served.
+With VAMP off they reach SGLang."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_plain_fp8_latents_are_not_refused(tmp_path):
                                                      "--vamp-max-offload-ratio", "0.2"]).vamp.enabled
 
 
-def test_an_mtp_draft_pool_is_refused_naming_the_flag(tmp_path):
-    with pytest.raises(ConfigError, match="--speculative-algorithm"):
-        launch_server.prepare(_model(tmp_path) + ["--speculative-algorithm", "NEXTN", "--vamp-max-offload-ratio", "0.2"])
+def test_an_mtp_draft_is_served_and_a_standalone_draft_refused_naming_the_flag(tmp_path):
+    model = _model(tmp_path)
+    assert launch_server.prepare(model + ["--speculative-algorithm", "NEXTN", "--vamp-max-offload-ratio", "0.2"]).vamp.enabled
+    with pytest.raises(ConfigError, match="--speculative-algorithm STANDALONE"):
+        launch_server.prepare(model + ["--speculative-algorithm", "STANDALONE", "--vamp-max-offload-ratio", "0.2"])

@@ -1,11 +1,11 @@
-"""The MLP-sync column (integration/dp_peers.py) on SGLang's own MLPSyncBatchInfo: each rank's row carries the
+"""The MLP-sync column (integration/decisions/dp_peers.py) on SGLang's own MLPSyncBatchInfo: each rank's row carries the
 groups it offloaded, an absent rank's idle row carries 0, and after the gather a rank reads the most any
 other DP rank offloaded (its own row left out). The gather itself runs over gloo in the DP server test."""
 
 import pytest
 import torch
 
-from vamp_sglang.integration import dp_peers
+from vamp_sglang.integration.decisions import dp_peers
 from vamp_sglang.policy import DpStep
 
 MLPSyncBatchInfo = pytest.importorskip("sglang.srt.managers.scheduler_components.dp_attn").MLPSyncBatchInfo

@@ -18,7 +18,7 @@ from test_staging import HIDDEN, model, offload  # noqa: F401 (model: test_stagi
 
 from tests.test_decisions import on_both, two_ranks  # noqa: F401 (fixture)
 from vamp_sglang.config import ConfigError, VampConfig
-from vamp_sglang.integration.plan_inputs import PlanInputs
+from vamp_sglang.integration.decisions.plan_inputs import PlanInputs
 from vamp_sglang.launch_server import prepare
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.routed import device_copy_list, routed_offloaded_runs

@@ -13,9 +13,9 @@ from test_integration_memory import sglang_moe  # noqa: F401 (the fixture: dist 
 
 from vamp_sglang.block_fp8 import dequantise
 from vamp_sglang.cpu import fp8 as cpu_fp8
-from vamp_sglang.integration import expert_memory as em
-from vamp_sglang.integration import expert_memory_hooks as hooks
-from vamp_sglang.integration import moe_staging
+from vamp_sglang.integration.memory import expert_memory as em
+from vamp_sglang.integration.memory import expert_memory_hooks as hooks
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.backend import LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
 from vamp_sglang.tiny_moe.fp8 import quantise

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_integration_memory import sglang_moe  # noqa: F401 (the fixture: dist groups for SGLang layers)
 
-from vamp_sglang.integration import moe_staging
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.host_backend import HostPageBackend
 
 ROUTED, SHARED, HIDDEN, INTER, TOP_K, LAYERS = 16, 1, 64, 64, 2, 3

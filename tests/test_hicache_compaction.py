@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration import compaction, radix_tree
+from vamp_sglang.integration.cache import radix_tree
+from vamp_sglang.integration.memory import compaction
 
 
 class _Cd:

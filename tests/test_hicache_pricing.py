@@ -84,7 +84,7 @@ class _Rounds:
 
 
 def _inputs(rounds, step=[0]):  # noqa: B006 (the test moves the step)
-    from vamp_sglang.integration.plan_inputs import PlanInputs
+    from vamp_sglang.integration.decisions.plan_inputs import PlanInputs
 
     inputs = PlanInputs.__new__(PlanInputs)
     inputs.rounds, inputs.step_fn, inputs._host_load = rounds, lambda: step[0], None
@@ -104,7 +104,7 @@ def test_one_rank_prices_its_own_measurement_and_none_without_hicache():
 
 
 def test_tp_ranks_price_the_agreed_minimum_re_agreed_every_256_steps():
-    from vamp_sglang.integration.plan_inputs import COEFFICIENT_AGREE_STEPS
+    from vamp_sglang.integration.decisions.plan_inputs import COEFFICIENT_AGREE_STEPS
 
     rounds = _Rounds(True, others=(200_000,))  # the other rank measured 0.2 us/token (picoseconds)
     inputs, step = _inputs(rounds, [0])

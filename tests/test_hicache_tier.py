@@ -1,12 +1,12 @@
-"""integration/hicache_tier.py (issue 22): one host-memory budget, the measured load rate, host-tier hits."""
+"""integration/cache/hicache_tier.py (issue 22): one host-memory budget, the measured load rate, host-tier hits."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vamp_sglang.integration import hicache_tier
-from vamp_sglang.integration.hicache_tier import GIB, HostBudgetError, HostTier, check_host_budget
+from vamp_sglang.integration.cache import hicache_tier
+from vamp_sglang.integration.cache.hicache_tier import GIB, HostBudgetError, HostTier, check_host_budget
 
 
 def _host_pool(tokens=64, per_token=32):

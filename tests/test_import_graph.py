@@ -75,5 +75,5 @@ def test_the_checker_finds_a_circle():
 def test_no_module_of_the_package_imports_in_a_circle():
     modules = module_files()
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
-    assert "vamp_sglang.integration.shortfall" in graph["vamp_sglang.integration.decision_hooks"]
+    assert "vamp_sglang.integration.decisions.shortfall" in graph["vamp_sglang.integration.decisions.decision_hooks"]
     assert import_circles(graph) == []

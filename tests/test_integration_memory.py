@@ -12,9 +12,10 @@ import socket
 import pytest
 import torch
 
-from vamp_sglang.integration import expert_memory as em
-from vamp_sglang.integration import expert_memory_hooks as hooks
-from vamp_sglang.integration import kv_pool, moe_staging
+from vamp_sglang.integration.memory import expert_memory as em
+from vamp_sglang.integration.memory import expert_memory_hooks as hooks
+from vamp_sglang.integration.memory import kv_pool
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.backend import LiveCounts
 from vamp_sglang.memory.host_backend import HostPageBackend
 from vamp_sglang.memory.kv_buffers import KVShrinkError
@@ -296,7 +297,7 @@ def test_routed_staging_through_sglangs_moe_is_exact_and_reported(vamp, policy):
     """Issue 12 through the real hook and SGLang's CPU MoE kernel: the router's top-k ids reach the
     staging break, only routed offloaded rows are copied (NaN in every other staged row is never read),
     and /vamp/stats and the vamp:* series carry the per-mode figures."""
-    from vamp_sglang.integration.metrics import GAUGES, _lookup
+    from vamp_sglang.integration.metrics.prometheus import GAUGES, _lookup
     from vamp_sglang.memory.staging import StagingEngine
 
     _, _, memory = vamp.build()

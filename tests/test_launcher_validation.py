@@ -119,18 +119,16 @@ REFUSED_ON_EVERY_MODEL = [  # issue 19 item 5
     (["--enable-pdmux"], "--enable-pdmux"),
     (["--enable-pdm"], "--enable-pdmux"),  # SGLang's parser takes unique abbreviations
     (["--enable-nvidia-megakernel"], "--enable-nvidia-megakernel"),
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
-    (["--speculative-algorithm=eagle3"], "--speculative-algorithm"),
-    (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm"),
-    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm"),
-    (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm"),
-    (["--speculative-algorithm", "MY_REGISTERED_DRAFT"], "--speculative-algorithm"),
-    (["--speculative-algo", "EAGLE"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm DFLASH"),
+    (["--speculative-algorithm", "STANDALONE"], "--speculative-algorithm STANDALONE"),
+    (["--speculative-algorithm=dspark"], "--speculative-algorithm dspark"),
+    (["--speculative-algorithm", "MY_REGISTERED_DRAFT"], "--speculative-algorithm MY_REGISTERED_DRAFT"),
+    (["--speculative-algo", "STANDALONE"], "--speculative-algorithm STANDALONE"),
 ]
 REFUSED_FROM_CONFIG_FILE = [  # SGLang's --config YAML: each key becomes `--key` ahead of the command line
     ("enable-pdmux: true\n", "--enable-pdmux"),
     ("enable-nvidia-megakernel: true\n", "--enable-nvidia-megakernel"),
-    ("speculative-algorithm: EAGLE\nspeculative-num-steps: 3\n", "--speculative-algorithm"),
+    ("speculative-algorithm: STANDALONE\nspeculative-num-steps: 3\n", "--speculative-algorithm"),
 ]
 
 
@@ -142,9 +140,9 @@ def _config_file(tmp_path, text):
 
 @pytest.mark.parametrize("flags,named", REFUSED_ON_EVERY_MODEL, ids=[" ".join(f) for f, _ in REFUSED_ON_EVERY_MODEL])
 def test_pdmux_megakernel_and_draft_speculation_are_refused_on_every_model(tmp_path, flags, named):
-    """Split prefill restarts expert staging per layer chunk, the megakernel keeps the freed expert weights, and a
-    draft model's KV pool never grows with the target's: refused with VAMP on, on a dense MoE model as on any;
-    with VAMP off the flags reach SGLang untouched."""
+    """Split prefill restarts expert staging per layer chunk, the megakernel keeps the freed expert weights, and
+    the draft algorithms other than EAGLE, EAGLE3 and NEXTN build draft pools VAMP does not grow: refused with
+    VAMP on, on a dense MoE model as on any; with VAMP off the flags reach SGLang untouched."""
     dense = _model_dir(tmp_path / "moe", "qwen3_moe")[:2]
     for model in (MODEL, dense):
         with pytest.raises(ConfigError, match=named):
@@ -164,8 +162,12 @@ def test_the_same_features_switched_on_in_a_config_file_are_refused(tmp_path, te
     ["--speculative-algorithm", "NGRAM"],  # no draft model, so no draft KV pool (SGLang's has_draft_kv)
     ["--speculative-algorithm", "ngram"],
     ["--speculative-algorithm", "EAGLE3", "--enable-return-aux-hidden-states"],  # names a capture, no draft
+    ["--speculative-algorithm", "EAGLE"],  # draft pools that grow with the target's (issue 46)
+    ["--speculative-algorithm=eagle3"],
+    ["--speculative-algorithm", "NEXTN"],
+    ["--speculative-algo", "EAGLE"],
 ], ids=" ".join)
-def test_speculation_without_a_draft_kv_pool_is_served_on_a_dense_model(flags):
+def test_speculation_without_a_draft_kv_pool_or_with_a_growing_one_is_served_on_a_dense_model(flags):
     assert launch_server.prepare(MODEL + flags + ["--vamp-max-offload-ratio", "0.2"]).vamp.enabled
 
 

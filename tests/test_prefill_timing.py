@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vamp_sglang.integration.prefill_timing import PrefillTimer, forward_stream_of
+from vamp_sglang.integration.decisions.prefill_timing import PrefillTimer, forward_stream_of
 
 
 def test_cpu_readings_are_the_host_clock_around_run_batch():

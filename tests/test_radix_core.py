@@ -13,8 +13,8 @@ from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
 from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401 (fixture)
-from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
-from vamp_sglang.integration.radix_rust import VampRustTreeCore
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.cache.radix_rust import VampRustTreeCore
 from vamp_sglang.policy import EvictableBlock
 
 

@@ -1,4 +1,4 @@
-"""The eviction SGLang runs right after a VAMP decision takes the decision's victims (integration/radix_rust.py).
+"""The eviction SGLang runs right after a VAMP decision takes the decision's victims (integration/cache/radix_rust.py).
 
 A decision walks the kept order read-only to price "evict N tokens" (radix_eviction.eviction_candidates); SGLang's
 eviction then walked the same order again, pricing the same leaves. On the Rust core's mirror, which sees every
@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from eval.cachesim.tree import TreeReplay, build, prepare
 from tests.test_radix_rust import replay_both, workload
 from vamp_sglang.cache import estimate, leaf_order
-from vamp_sglang.integration import radix_eviction
+from vamp_sglang.integration.cache import radix_eviction
 
 
 @pytest.fixture(scope="module", autouse=True)

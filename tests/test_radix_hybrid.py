@@ -19,7 +19,8 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from tests.test_radix_tree_state import sglang_context  # noqa: F401 (fixture)
 from vamp_sglang.cache.hybrid import tokens_losing_reuse
-from vamp_sglang.integration import hybrid, radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.memory import hybrid
 from vamp_sglang.policy import Coefficients, EvictableBlock, OffloadState, Snapshot, plan
 
 # ---- pure: the reuse rule --------------------------------------------------------------------------
@@ -176,13 +177,13 @@ def test_the_supported_configuration_passes_and_others_are_refused(tree):
 
 
 def test_compaction_moves_cached_rows_under_the_hybrid_wrapper(tree):
-    """Restore compacts cached KV off the pool's tail (integration/compaction.py). On a hybrid model the
+    """Restore compacts cached KV off the pool's tail (integration/memory/compaction.py). On a hybrid model the
     allocator's cache is HybridLinearKVPool, whose K/V live in its full-attention pool: the moved rows keep
     their bytes there, the tree points at them, and every prefix still matches (found by a hybrid soak:
     every restore failed with an AttributeError)."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as Component
 
-    from vamp_sglang.integration import compaction
+    from vamp_sglang.integration.memory import compaction
 
     cache, alloc, reqs = tree
     full = alloc.get_kvcache().full_kv_pool
@@ -222,7 +223,7 @@ def test_state_candidates_follow_sglangs_state_eviction(tree):
 
 def laid_out_cache(backend):
     """The fixture's tree, with its state tensors laid over growable host pages before any state exists."""
-    from vamp_sglang.integration.state_pool import GrowableStatePool, state_tensors
+    from vamp_sglang.integration.memory.state_pool import GrowableStatePool, state_tensors
     from vamp_sglang.memory.state_buffers import GrowableStateBuffers, StateKind
 
     cache, alloc, reqs = build_hybrid_cache()

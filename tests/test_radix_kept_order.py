@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from tests.test_radix_tree_state import POOL_TOKENS, RadixMachine, build_cache, key_of, sglang_context  # noqa: F401
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, estimate, eviction_order
 from vamp_sglang.cache.reuse_share import CLASSES, writer_class
-from vamp_sglang.integration import radix_eviction
-from vamp_sglang.integration.radix_tree import _describe
+from vamp_sglang.integration.cache import radix_eviction
+from vamp_sglang.integration.cache.radix_tree import _describe
 from vamp_sglang.policy import Coefficients
 
 

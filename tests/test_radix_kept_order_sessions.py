@@ -2,7 +2,7 @@
 
 SGLang's key is then (held by an open session, by how many, the tree's priority): the kept order ranks its groups
 by that head (cache/leaf_order.py), re-files leaves when a session's coverage moves, and the read-only predictions
-replay how each eviction moves a session's references (integration/session_refs.py). Sessions tag KV and close
+replay how each eviction moves a session's references (integration/cache/session_refs.py). Sessions tag KV and close
 through SGLang's own tracker (`eval.cachesim.tree.tag_session`).
 """
 
@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from eval.cachesim.tree import tag_session
 from tests.test_radix_kept_order import KeptOrderMachine, full_resort
 from tests.test_radix_tree_state import build_cache, key_of, sglang_context  # noqa: F401
-from vamp_sglang.integration import radix_eviction
+from vamp_sglang.integration.cache import radix_eviction
 
 
 class KeptOrderSessionsMachine(KeptOrderMachine):

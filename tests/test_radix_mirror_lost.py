@@ -1,4 +1,4 @@
-"""A mirror that stops following SGLang's Rust core must not take the server down (integration/radix_rust.py).
+"""A mirror that stops following SGLang's Rust core must not take the server down (integration/cache/radix_rust.py).
 
 The mirror follows the Rust core's tree through its keys; a defect there (a node it never filed, a path it read
 wrong) used to raise inside SGLang's own calls: a match, an insert, a lock, an admission, or an eviction already
@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from eval.cachesim.tree import TreeReplay, build, prepare
-from vamp_sglang.integration import radix_backend, radix_eviction
+from vamp_sglang.integration.cache import radix_backend, radix_eviction
 
 POOL_TOKENS = 600
 
@@ -189,7 +189,7 @@ def test_compaction_never_moves_a_node_whose_lock_the_mirror_missed():
     """Found by a review: compaction (restoring experts) moves the rows of the nodes the mirror lists as unlocked. A
     lock only the Rust core took would have handed a running request's rows to it; the counts are checked there
     too, and the mirror lost, so nothing is offered and the tail is not movable."""
-    from vamp_sglang.integration import compaction
+    from vamp_sglang.integration.memory import compaction
 
     cache, step, replay, histories, rng = filled()
     core = cache.tree_core

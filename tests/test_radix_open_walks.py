@@ -1,5 +1,5 @@
 """The kept eviction order's walks while the tree changes under them (cache/leaf_order.py,
-integration/radix_eviction.py): the live eviction walk, planner walks stopped early, paused or leaked, and
+integration/cache/radix_eviction.py): the live eviction walk, planner walks stopped early, paused or leaked, and
 leaves re-filed while a walk is open. Split from tests/test_radix_refile_paths.py, whose helpers it uses."""
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -9,8 +9,8 @@ from tests.test_radix_refile_paths import _FreshView, _Tree
 from tests.test_radix_tree_state import sglang_context  # noqa: F401
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats, estimate
 from vamp_sglang.cache.reuse_share import CLASSES, writer_class
-from vamp_sglang.integration import radix_eviction
-from vamp_sglang.integration.radix_tree import _describe
+from vamp_sglang.integration.cache import radix_eviction
+from vamp_sglang.integration.cache.radix_tree import _describe
 from vamp_sglang.policy import Coefficients
 
 

@@ -1,4 +1,4 @@
-"""The kept eviction order on its re-file paths (cache/leaf_order.py, integration/radix_tree.py), from an adversarial read.
+"""The kept eviction order on its re-file paths (cache/leaf_order.py, integration/cache/radix_tree.py), from an adversarial read.
 
 Every check compares the kept order with a heap over every evictable leaf keyed by the tree's exact
 priority, computed afresh (not through the tree's per-step memo, which both the kept order and
@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from tests.test_radix_kept_order import KeptOrderMachine, full_resort
 from tests.test_radix_tree_state import POOL_TOKENS, build_cache, key_of, sglang_context  # noqa: F401
 from vamp_sglang.cache import eviction_order
-from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
 
 
 def fresh_priority(core):

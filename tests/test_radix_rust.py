@@ -1,4 +1,4 @@
-"""VAMP's order beside SGLang's Rust tree core (integration/radix_rust.py) against VAMP's Python tree core.
+"""VAMP's order beside SGLang's Rust tree core (integration/cache/radix_rust.py) against VAMP's Python tree core.
 
 Both cores get the same requests through SGLang's real `UnifiedRadixCache` (eval/cachesim/tree.py's
 `TreeReplay`: match, lock, admission, eviction of the shortfall, insert, unlock), with several requests in
@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from eval.cachesim.tree import TreeReplay, build, prepare
 from vamp_sglang.cache import CostOrder
-from vamp_sglang.integration import radix_backend, radix_eviction
-from vamp_sglang.integration.radix_rust import MirrorNode, VampRustTreeCore
+from vamp_sglang.integration.cache import radix_backend, radix_eviction
+from vamp_sglang.integration.cache.radix_rust import MirrorNode, VampRustTreeCore
 from vamp_sglang.policy.costs import Coefficients
 
 
@@ -293,8 +293,8 @@ def test_compaction_moves_the_rust_cores_rows_and_their_bytes():
     size move to free rows below it, bytes and indices both, through the Rust core's own values."""
     import torch
 
-    from vamp_sglang.integration import compaction
-    from vamp_sglang.integration.kv_pool import sglang_buffers
+    from vamp_sglang.integration.memory import compaction
+    from vamp_sglang.integration.memory.kv_pool import sglang_buffers
 
     cache, allocator, step = build("vamp-rust", 64)
     replay, kv = TreeReplay(cache, allocator), allocator.get_kvcache()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vamp_sglang.cache import CostOrder, LeafOrder, NodeStats
 from vamp_sglang.cache.reuse_share import CLASSES, writer_class
-from vamp_sglang.integration.radix_tree import _describe
+from vamp_sglang.integration.cache.radix_tree import _describe
 from vamp_sglang.policy import Coefficients
 
 WRITER, PRIOR = 0.9, 0.3

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 
-from vamp_sglang.integration import radix_backend, radix_eviction, radix_tree
+from vamp_sglang.integration.cache import radix_backend, radix_eviction, radix_tree
 
 POOL_TOKENS = 64
 FULL = ComponentType.FULL

@@ -20,8 +20,8 @@ from tests.test_integration_memory import (  # noqa: F401 (fixtures)
     tokens_per_group,
     vamp,
 )
-from vamp_sglang.integration import expert_memory as em
-from vamp_sglang.integration import expert_memory_hooks as hooks
+from vamp_sglang.integration.memory import expert_memory as em
+from vamp_sglang.integration.memory import expert_memory_hooks as hooks
 
 
 def experts_exact(vamp):  # noqa: F811
@@ -139,7 +139,7 @@ def test_sglangs_state_allocation_is_given_back_before_the_state_pages_are_creat
     back (emptied, then empty_cache) before the state pool's own pages are created. On host pages: the
     tensors hold no bytes by the time the state reservations are made."""
     from tests.test_radix_hybrid import req_pool
-    from vamp_sglang.integration.state_pool import state_tensors
+    from vamp_sglang.integration.memory.state_pool import state_tensors
 
     reqs = req_pool()
     tensors = state_tensors(reqs.mamba_pool)

@@ -13,7 +13,7 @@ the same KV and log the same decisions (their plans read each rank's own tree in
 writer class goes oldest first by p_eff, or newest first while every p_eff is 0 or when expected back),
 so B losing its KV while A and C keep theirs is the close at work. VAMP is on (`--vamp-policy
 evict-first`, so the shortfall is met by eviction, not by growing the pool): the decision's planner walks
-the same session-first order (integration/radix_eviction.py) before SGLang evicts.
+the same session-first order (integration/cache/radix_eviction.py) before SGLang evicts.
 """
 
 import json

@@ -15,7 +15,7 @@ from test_experts import make_layout, make_weights
 from test_staging import HIDDEN, LAYERS, TOKENS, TOP_K, model  # noqa: F401 (model: the paged stores)
 
 from eval.bench_memory import moe_forward
-from vamp_sglang.integration import moe_staging
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.staging import StagingEngine
 
 

@@ -39,7 +39,7 @@ def cuda_model():
 
 
 def test_gather_copies_exactly_the_routed_offloaded_rows(cuda_model):
-    from vamp_sglang.integration.routed_gather import GatherCopier
+    from vamp_sglang.integration.staging.routed_gather import GatherCopier
 
     weights, stores = cuda_model
     copier = GatherCopier(stores)
@@ -62,7 +62,7 @@ def test_gather_copies_exactly_the_routed_offloaded_rows(cuda_model):
 
 
 def test_gather_copy_replays_inside_a_cuda_graph(cuda_model):
-    from vamp_sglang.integration.routed_gather import GatherCopier
+    from vamp_sglang.integration.staging.routed_gather import GatherCopier
 
     weights, stores = cuda_model
     copier, store = GatherCopier(stores), stores[0]

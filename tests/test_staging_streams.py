@@ -18,7 +18,7 @@ import torch
 from test_integration_memory import sglang_moe  # noqa: F401 (the fixture: dist groups for SGLang layers)
 from test_staging_graphs import StandInCapture
 
-from vamp_sglang.integration import moe_staging
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.host_backend import HostPageBackend
 
 HIDDEN, INTER, EXPERTS, TOP_K, MOE_LAYERS = 64, 32, 8, 2, 3

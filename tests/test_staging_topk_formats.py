@@ -22,7 +22,7 @@ from sglang.srt.layers.moe.topk import (
 from test_staging import HIDDEN, LAYERS, TOP_K, model, offload  # noqa: F401 (model: test_staging's fixture)
 
 from eval.bench_memory import moe_forward
-from vamp_sglang.integration import moe_staging
+from vamp_sglang.integration.staging import moe_staging
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_choice import ROUTED, WHOLE
 

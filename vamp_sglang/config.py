@@ -24,7 +24,7 @@ ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "por
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
 STAGING = ("auto", "whole", "routed")  # memory/staging_choice.py (issue 12)
-TREE_CORES = ("auto", "python", "rust")  # integration/radix_backend.py: which SGLang tree core carries VAMP's order
+TREE_CORES = ("auto", "python", "rust")  # integration/cache/radix_backend.py: which SGLang tree core carries VAMP's order
 
 
 class ConfigError(ValueError):

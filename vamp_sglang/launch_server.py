@@ -39,9 +39,6 @@ _UNSUPPORTED_WITH_VAMP = {
                       "into a slot whose copy for a later layer is still pending: wrong expert weights",
     "--enable-nvidia-megakernel": "its kernels are built from the expert weights before VAMP pages them, "
                                   "and keep the originals VAMP frees",
-    _SPECULATIVE: "the draft model's KV pool takes token ids from the target's allocator but "
-                               "never grows with it, so its writes pass its end after an offload; only NGRAM, "
-                               "which has no draft KV, is served",
 }
 # SGLang 0.5.23 turns a `--config` YAML into `--key value` flags ahead of the command line
 # (server_args.py prepare_server_args; utils/server_args_config_parser.py _convert_config_to_args).
@@ -98,7 +95,7 @@ def view_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
     p.add_argument("--enable-session-radix-cache", action="store_true")
-    for flag in [flag for flag in _UNSUPPORTED_WITH_VAMP if flag != _SPECULATIVE]:
+    for flag in _UNSUPPORTED_WITH_VAMP:
         p.add_argument(flag, action="store_true")
     hybrid_refusals.add_flags(p)  # with _SPECULATIVE
     mla_refusals.add_flags(p)
@@ -163,6 +160,9 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     for flag, why in _UNSUPPORTED_WITH_VAMP.items():
         if _turns_on(sg, flag):
             raise ConfigError(f"{flag} is not supported with --vamp-max-offload-ratio > 0" + (f" ({why})" if why else ""))
+    if _turns_on(sg, _SPECULATIVE) and (why := speculative_refusals.refused_with_vamp(sg.speculative_algorithm)):
+        raise ConfigError(f"{_SPECULATIVE} {sg.speculative_algorithm} is not supported with "
+                          f"--vamp-max-offload-ratio > 0 ({why})")
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
         raise ConfigError(refusal)
     for refusal in (family_refusals.refused(sg), mla_refusals.refused(sg), attention_refusals.refused(sg),

@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.test.unified_allocator_fixtures import setup_allocator_context
 
-from vamp_sglang.integration import radix_backend, radix_tree
+from vamp_sglang.integration.cache import radix_backend, radix_tree
 
 
 def prepare() -> None:
@@ -60,7 +60,7 @@ def cache_spec(policy: str) -> tuple[str, str, type]:
         return radix_backend.NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache
     if policy == "vamp+lru":  # our tree and statistics, SGLang's LRU order (bench_tree)
         return radix_backend.NAME, "lru", radix_tree.VampUnifiedRadixCache
-    if policy == "vamp-rust":  # VAMP's order on SGLang's Rust core (integration/radix_rust.py)
+    if policy == "vamp-rust":  # VAMP's order on SGLang's Rust core (integration/cache/radix_rust.py)
         return radix_backend.RUST_NAME, radix_backend.NAME, radix_tree.VampUnifiedRadixCache
     if policy == "opt":
         return "python", "lru", UnifiedRadixCache  # the strategy is replaced by OptStrategy

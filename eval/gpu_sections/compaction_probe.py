@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration.compaction import used_tail_is_in
+from vamp_sglang.integration.memory.compaction import used_tail_is_in
 from vamp_sglang.memory.backend import PageBackend
 
 ROWS_PER_NODE = 4

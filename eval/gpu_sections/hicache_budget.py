@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vamp_sglang.integration.hicache_tier import HostBudgetError, check_host_budget
+from vamp_sglang.integration.cache.hicache_tier import HostBudgetError, check_host_budget
 from vamp_sglang.memory.backend import PageBackend
 
 POOL_FRACTION = 0.6

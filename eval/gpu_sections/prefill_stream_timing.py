@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration.prefill_timing import PrefillTimer, forward_stream_of
+from vamp_sglang.integration.decisions.prefill_timing import PrefillTimer, forward_stream_of
 
 MATRIX = 4096  # one 4096^2 fp32 matmul: ~137 GFLOP, milliseconds of work per burst on any GPU
 MATMULS = 20

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration.kv_pool import GrowablePool
-from vamp_sglang.integration.state_pool import GrowableStatePool, state_tensors
+from vamp_sglang.integration.memory.kv_pool import GrowablePool
+from vamp_sglang.integration.memory.state_pool import GrowableStatePool, state_tensors
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout

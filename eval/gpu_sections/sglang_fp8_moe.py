@@ -39,8 +39,8 @@ def check(backend: PageBackend, gpu: bool) -> dict:
         from sglang.srt.layers.moe.topk import StandardTopKOutput
         from sglang.test.test_utils import published_topology
 
-        from vamp_sglang.integration import moe_staging
-        from vamp_sglang.integration.routed_gather import GatherCopier
+        from vamp_sglang.integration.staging import moe_staging
+        from vamp_sglang.integration.staging.routed_gather import GatherCopier
     except (ImportError, OSError) as exc:
         return {"skipped": f"needs SGLang 0.5.23 ({exc})"}
     gen = torch.Generator(device=backend.device).manual_seed(11)

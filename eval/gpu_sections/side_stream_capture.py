@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from eval.gpu_sections.toy_moe import fill_slots, routed_moe, toy_layers
-from vamp_sglang.integration.moe_staging import keep_moe_on_capture_stream
+from vamp_sglang.integration.staging.moe_staging import keep_moe_on_capture_stream
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vamp_sglang.integration.state_pool import lay_state_pool_over_growable, state_tensors
+from vamp_sglang.integration.memory.state_pool import lay_state_pool_over_growable, state_tensors
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout

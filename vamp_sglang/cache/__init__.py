@@ -5,7 +5,7 @@ observed reuse shares that give each node its r_hit prior (`ReuseShares`), the
 eviction order (`CostOrder`: nodes not expected back by lowest p_eff of Eq. 1, then farthest expected next use; priced by C_c of Eq. 2), the read-only walk that predicts what an eviction
 would free and cost (`walk`), the order kept between shortfalls (`leaf_order`), what evicting from a hybrid model's cache loses (`hybrid`), and the
 histograms `/vamp/stats` reports. The SGLang tree these
-run on is built in `vamp_sglang.integration.radix_tree`.
+run on is built in `vamp_sglang.integration.cache.radix_tree`.
 """
 
 from vamp_sglang.cache.histogram import pow2_histogram

@@ -28,7 +28,7 @@ ordered by p_eff as before, and goes first (held for an interval, one-shot promp
 also writes some reused first turns took the pool from sessions arriving at random, whose overdue KV
 went first: `tests/test_cachesim_random_arrivals.py`); ties go to the newest node, so where nothing is known
 yet (every p_eff = 0) the oldest KV stays, which holds a stable subset where LRU would cycle.
-Request priority (SGLang's) orders before all of this (integration/radix_tree.py). Eviction COSTS
+Request priority (SGLang's) orders before all of this (integration/cache/radix_tree.py). Eviction COSTS
 remain Eq. 2's C_c (`cost_s`), summed over the nodes evicted.
 """
 

@@ -1,6 +1,6 @@
 """`python -m vamp_sglang.capacity`: what each offload ratio buys and costs, before deploying.
 
-    python -m vamp_sglang.capacity --model PATH_OR_NAME --gpu-mem-gib G --tp N [--dp D] [--mem-fraction F]
+    python -m vamp_sglang.capacity --model PATH_OR_NAME --gpu-mem-gib G --tp N [--dp D] [--ep E] [--mem-fraction F]
         [--h2d-gbps B] [--decode-ms D] [--trace FILE] [--ratios 0.1,0.15,...] [--json]
 
 Every flag is checked before anything is read; a bad one exits with status 2 and names it.
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DP attention degree (SGLang --enable-dp-attention --dp-size D; default 1: none)")
     p.add_argument("--dp-attention", action="store_true",
                    help="DP attention with attention-TP 1, the DeepSeek/Kimi preset: --dp equal to --tp")
+    p.add_argument("--ep", type=_number(int, 1, False), default=1,
+                   help="expert parallelism (SGLang --ep-size E, standard dispatcher): each rank holds E_routed / E "
+                        "experts, split over tp / E ranks (default 1: none)")
     p.add_argument("--mem-fraction", type=_number(float, 0, True, 1.0), default=0.9,
                    help="share of GPU memory for weights and KV pool (SGLang --mem-fraction-static; default 0.9)")
     p.add_argument("--h2d-gbps", type=_number(float, 0, True), default=50.0,
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name, config = load_model_config(args.model)
         deployment = Deployment(
-            gpu_mem_gib=args.gpu_mem_gib, tp=args.tp, dp=_dp(args), dtype=args.dtype or config_dtype(config),
+            gpu_mem_gib=args.gpu_mem_gib, tp=args.tp, dp=_dp(args), ep=args.ep, dtype=args.dtype or config_dtype(config),
             mem_fraction=args.mem_fraction, h2d_gbps=args.h2d_gbps, decode_ms=args.decode_ms,
             page_size=args.page_size, max_total_tokens=args.max_total_tokens, kv_pool_gib=args.kv_pool_gib)
         model = CapacityModel.build(config, deployment)

@@ -6,7 +6,7 @@ hicache bytes / the rank's KV bytes per token. The two link costs at the stated 
 - staging per decode step: the offloaded experts copied in before their MoE kernels (the ratio's staged bytes);
 - load per host hit: a prefix's KV bytes copied back from the host pool, per 1,000 tokens of the hit.
 Host memory per rank: the offloaded experts' host copies (the reclaimed bytes) plus the host pool, which the
-server checks against the host's free memory at start (integration/hicache_tier.py). Arithmetic only.
+server checks against the host's free memory at start (integration/cache/hicache_tier.py). Arithmetic only.
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ attention-TP 1 each rank's pool holds tokens no other rank holds and the deploym
 (`deployment_tokens`), where under TP every rank holds the same tokens. MHA's KV heads split over attention-TP
 only. Each rank also holds more attention weights (every head at attention-TP 1), which the start-up pool pays.
 
+Under expert parallelism (`ep` > 1, SGLang's `--ep-size` with the standard dispatcher, `--moe-a2a-backend none`)
+each rank holds E / ep routed experts split on the intermediate size over tp / ep ranks (whole experts at
+ep = tp), so an offloaded group is fewer, wider experts; VAMP pages and stages only the rank's own experts, so
+the reclaimed and staged bytes and the tokens they buy are per rank exactly as under TP. Attention, the pool and
+the shared experts keep the TP (or DP attention) split.
+
 Arithmetic only: nothing here touches torch or SGLang.
 """
 
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vamp_sglang.capacity.weights import dense_weight_bytes
-from vamp_sglang.memory.geometry import ModelGeometry, geometry_from_config
+from vamp_sglang.memory.geometry import GeometryError, ModelGeometry, geometry_from_config
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes, pages_for_rows
 
 GIB = 1 << 30
@@ -61,6 +67,7 @@ class Deployment:
     kv_pool_gib: float | None = None  # a measured start-up pool per GPU, instead of the estimate
     page_bytes: int = PAGE_BYTES
     dp: int = 1  # DP attention degree (--enable-dp-attention --dp-size); 1: none
+    ep: int = 1  # expert parallelism (--ep-size, standard dispatcher); 1: none
 
     @property
     def attn_tp(self) -> int:
@@ -108,12 +115,20 @@ class CapacityModel:
         if d.dp < 1 or d.tp % d.dp:
             raise CapacityError(f"--dp {d.dp} must divide --tp {d.tp} (DP attention splits the TP ranks into "
                                 "DP ranks of tp / dp attention-TP ranks each)")
-        geo = geometry_from_config(config, d.tp, d.dtype)
+        if d.ep < 1 or d.tp % d.ep:
+            raise CapacityError(f"--ep {d.ep} must divide --tp {d.tp} (SGLang splits each expert over tp / ep "
+                                "ranks)")
+        try:
+            geo = geometry_from_config(config, d.tp, d.dtype, d.ep)
+        except GeometryError as exc:
+            if d.ep > 1 and "routed experts" in str(exc):
+                raise CapacityError(f"--ep {d.ep}: {exc}") from None
+            raise
         if d.dp > 1 and not geo.mla_latent_dim:  # KV heads split over attention-TP only
             geo = dataclasses.replace(geo, kv_heads_per_rank=geometry_from_config(
                 config, d.attn_tp, d.dtype).kv_heads_per_rank)
         expert = geo.expert_bytes_per_layer * len(geo.moe_layer_ids)
-        dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp)
+        dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp, d.ep)
         kv_token = geo.kv_bytes_per_token
         if d.kv_pool_gib is not None:
             tokens, source = math.floor(d.kv_pool_gib * GIB / kv_token), "measured"

@@ -31,11 +31,14 @@ from vamp_sglang.memory.geometry import (
 )
 
 
-def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn_tp_size: int | None = None) -> int:
+def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn_tp_size: int | None = None,
+                       ep_size: int = 1) -> int:
     """Embeddings and LM head, attention (heads split, KV heads replicated below tp; MLA's low-rank
     projections), Qwen3-Next's linear-attention layers, shared experts, routers and dense MLP layers.
-    `attn_tp_size` (DP attention: tp / dp) is the group the attention layers split over; None: the TP group."""
-    geo = geometry_from_config(config, tp_size, dtype)
+    `attn_tp_size` (DP attention: tp / dp) is the group the attention layers split over; None: the TP group.
+    `ep_size` changes none of these (the router scores every expert on every rank); it is passed on so that
+    the expert split it allows (an FP8 block SGLang accepts at tp / ep) reads."""
+    geo = geometry_from_config(config, tp_size, dtype, ep_size)
     quant = weight_quant_from_config(config)
     element = DTYPE_BYTES[dtype]
     hidden, tp, attn_tp = geo.hidden_size, tp_size, attn_tp_size or tp_size
@@ -78,7 +81,7 @@ def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn
             + attn_linear("linear_attn.out_proj", hidden, value, "row"))
     moe_layers = len(geo.moe_layer_ids)
     shared = _shared_expert_intermediate(config)
-    router = geo.local_experts * hidden * element  # replicated, model dtype
+    router = geo.routed_experts * hidden * element  # replicated, model dtype
     total += moe_layers * (router + _mlp(linear, "mlp.shared_expert" if "num_experts" in config
                                          else "mlp.shared_experts", hidden, shared))
     if shared and "num_experts" in config:  # Qwen's sigmoid gate on the shared expert: [1, H], replicated

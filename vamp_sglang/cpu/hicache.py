@@ -32,7 +32,7 @@ DIRECT = "direct"
 _COMMON = "sglang.srt.mem_cache.pool_host.common"
 _MHA_HOST = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 # Called with (tokens, seconds) once per load of every layer: the host tier's measured load rate
-# (integration/hicache_tier.py), calibrated from HiCache's own transfers.
+# (integration/cache/hicache_tier.py), calibrated from HiCache's own transfers.
 LOAD_OBSERVERS: list[Callable[[int, float], None]] = []
 _load_s = [0.0]  # seconds spent so far in the layers of the load in progress
 

@@ -22,15 +22,10 @@ _HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 
 def all_hooks() -> list[Hook]:
     """Every hook we place in SGLang (the table patches/README.md mirrors)."""
-    from vamp_sglang.integration import (
-        decision_hooks,
-        dp_peers,
-        expert_memory_hooks,
-        hicache_tier,
-        hybrid,
-        runtime,
-        weight_updates,
-    )
+    from vamp_sglang.integration import runtime
+    from vamp_sglang.integration.cache import hicache_tier
+    from vamp_sglang.integration.decisions import decision_hooks, dp_peers
+    from vamp_sglang.integration.memory import expert_memory_hooks, hybrid, weight_updates
 
     return [_SCHEDULER_INIT, *runtime.HOOKS, *expert_memory_hooks.HOOKS, *decision_hooks.HOOKS, *hybrid.HOOKS,
             *hicache_tier.HOOKS, *dp_peers.HOOKS, *weight_updates.HOOKS]
@@ -38,13 +33,9 @@ def all_hooks() -> list[Hook]:
 
 def scheduler_setups() -> list[Callable[[Any, Any], None]]:
     """Per-scheduler set-up steps run once the scheduler and its VampRuntime exist."""
-    from vamp_sglang.integration import (
-        decision_hooks,
-        expert_memory_hooks,
-        hicache_tier,
-        hybrid,
-        radix_backend,
-    )
+    from vamp_sglang.integration.cache import hicache_tier, radix_backend
+    from vamp_sglang.integration.decisions import decision_hooks
+    from vamp_sglang.integration.memory import expert_memory_hooks, hybrid
 
     # Order matters: the decision maker needs the tree's step source, the expert memory and HiCache's host tier
     # (which sizes the experts' host copies); a hybrid configuration VAMP does not support is refused before the
@@ -96,12 +87,12 @@ _SCHEDULER_INIT = Hook(f"{_SCHEDULER_MODULE}.Scheduler.__init__", "after", _afte
 def register() -> None:
     if not plugin_enabled():
         return
-    from vamp_sglang.integration import radix_backend
+    from vamp_sglang.integration.cache import radix_backend
 
     radix_backend.install()  # registry names: the HTTP process parses --radix-eviction-policy vamp too
     if _SCHEDULER_MODULE in sys.modules:
         register_all(all_hooks() + cpu_hooks())
     if _HTTP_MODULE in sys.modules:
-        from vamp_sglang.integration import stats_route
+        from vamp_sglang.integration.metrics import stats_route
 
         stats_route.install()

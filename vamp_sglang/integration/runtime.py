@@ -18,9 +18,9 @@ from vamp_sglang.faults import Faults
 from vamp_sglang.integration.hooks import Hook
 
 if TYPE_CHECKING:
-    from vamp_sglang.integration.expert_memory import ExpertMemory
-    from vamp_sglang.integration.metrics import VampMetrics
-    from vamp_sglang.integration.shortfall import DecisionMaker
+    from vamp_sglang.integration.decisions.shortfall import DecisionMaker
+    from vamp_sglang.integration.memory.expert_memory import ExpertMemory
+    from vamp_sglang.integration.metrics.prometheus import VampMetrics
 
 ACTIONS = ("offload", "evict", "preempt", "combined", "restore")
 
@@ -52,7 +52,7 @@ class VampRuntime:
         self.metrics: VampMetrics | None = None
         self.faults = Faults.parse(fault_spec(), seed=None)  # VAMP_SGLANG_FAULT (tests and soak only)
         if enable_metrics:
-            from vamp_sglang.integration.metrics import VampMetrics
+            from vamp_sglang.integration.metrics.prometheus import VampMetrics
 
             self.metrics = VampMetrics(tp_rank, dp_rank)
 
@@ -74,7 +74,7 @@ class VampRuntime:
         requested_tokens = len(req.full_untruncated_fill_ids)
         hit_tokens = min(hit_tokens, requested_tokens)
         if self.vamp_tree is not None:  # our tree records into this same ledger
-            from vamp_sglang.integration import radix_backend
+            from vamp_sglang.integration.cache import radix_backend
 
             radix_backend.record_admission(self.vamp_tree, req, hit_tokens, requested_tokens, first)
         elif first:

@@ -102,15 +102,21 @@ class ModelGeometry:
     num_layers: int
     moe_layer_ids: tuple[int, ...]
     kv_layer_ids: tuple[int, ...]  # layers that hold a KV cache (all but linear-attention ones)
-    local_experts: int  # routed experts E per rank (TP-only: all of them); shared experts are not here
+    local_experts: int  # routed experts per rank: E under TP, E / ep under expert parallelism; no shared ones
     hidden_size: int
-    moe_intermediate_per_rank: int  # I / tp
+    moe_intermediate_per_rank: int  # I / moe_tp, SGLang's moe_tp_size = tp / ep
     kv_heads_per_rank: int
     head_dim: int
     dtype_bytes: int  # the model dtype: KV cache and unquantised weights
     tp_size: int
     expert_quant: WeightQuant | None = None  # block FP8 experts: 1 byte per element, scales resident
     mla_latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim (one latent buffer per layer); 0: K and V
+    ep_size: int = 1  # expert parallelism (--ep-size, standard dispatcher): the router picks among E_local * ep
+
+    @property
+    def routed_experts(self) -> int:
+        """Every routed expert of a layer, over all EP ranks (the router's choice; replicated router weight)."""
+        return self.local_experts * self.ep_size
 
     @property
     def expert_element_bytes(self) -> int:
@@ -162,10 +168,15 @@ class ModelGeometry:
         return self.local_experts * (self.w13_shard_bytes + self.w2_shard_bytes) + self.expert_scale_bytes_per_layer
 
 
-def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str) -> ModelGeometry:
-    """Read a Qwen2/Qwen3-MoE, Qwen3-Next, Mixtral or DeepSeek-V2/V3 config dict for one rank of `tp_size`."""
+def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str, ep_size: int = 1) -> ModelGeometry:
+    """Read a Qwen2/Qwen3-MoE, Qwen3-Next, Mixtral or DeepSeek-V2/V3 config dict for one rank of `tp_size`.
+    `ep_size` > 1 (SGLang's --ep-size with the standard dispatcher): each rank holds E / ep routed experts
+    (SGLang asserts ep divides them, layers/moe/fused_moe_triton/layer.py:414), split on the intermediate size
+    over moe_tp = tp / ep ranks (runtime_context.py:154); attention and KV keep the TP split."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise GeometryError(f"tp_size must be a positive integer (got {tp_size!r})")
+    if not isinstance(ep_size, int) or ep_size < 1 or tp_size % ep_size:
+        raise GeometryError(f"ep_size {ep_size!r} must divide tp_size {tp_size} (SGLang's moe_tp_size = tp / ep)")
     if dtype not in DTYPE_BYTES:
         raise GeometryError(f"dtype must be one of {', '.join(DTYPE_BYTES)} (got {dtype!r})")
     quant = weight_quant_from_config(config)
@@ -180,13 +191,19 @@ def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str) ->
     else:
         experts, inter = config_int(config, "num_experts"), config_int(config, "moe_intermediate_size")
         moe_ids = _qwen_moe_layers(config, layers)
-    if inter % tp_size:
-        raise GeometryError(f"moe intermediate size {inter} is not divisible by tp_size {tp_size}")
+    if experts % ep_size:
+        raise GeometryError(f"ep_size {ep_size} does not divide the {experts} routed experts; SGLang "
+                            "requires every EP rank to hold the same number")
+    moe_tp = tp_size // ep_size
+    if inter % moe_tp:
+        raise GeometryError(f"moe intermediate size {inter} is not divisible by tp_size {tp_size}"
+                            + (f" / ep_size {ep_size}" if ep_size > 1 else ""))
     expert_quant = quant if quant and quant.converts("mlp.experts") else None
-    if expert_quant and (inter // tp_size) % expert_quant.block[0]:
-        raise GeometryError(f"--tp {tp_size}: the FP8 experts' intermediate size per rank {inter // tp_size} "
-                            f"({inter}/{tp_size}) is not a multiple of the {expert_quant.block[0]}-wide scale "
-                            "block; SGLang refuses this TP degree for block-quantised experts")
+    if expert_quant and (inter // moe_tp) % expert_quant.block[0]:
+        split = f"--tp {tp_size}" + (f" --ep {ep_size}" if ep_size > 1 else "")
+        raise GeometryError(f"{split}: the FP8 experts' intermediate size per rank {inter // moe_tp} "
+                            f"({inter}/{moe_tp}) is not a multiple of the {expert_quant.block[0]}-wide scale "
+                            "block; SGLang refuses this split for block-quantised experts")
     if config.get("kv_lora_rank"):  # MLA: one latent KV row per token and layer, whole on every rank
         latent = config_int(config, "kv_lora_rank") + config_int(config, "qk_rope_head_dim")
         kv_heads, head_dim = 1, latent
@@ -196,9 +213,9 @@ def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str) ->
         head_dim = int(config.get("head_dim") or hidden // config_int(config, "num_attention_heads"))
     return ModelGeometry(
         num_layers=layers, moe_layer_ids=moe_ids, kv_layer_ids=_kv_layers(config, layers),
-        local_experts=experts, hidden_size=hidden, moe_intermediate_per_rank=inter // tp_size,
+        local_experts=experts // ep_size, hidden_size=hidden, moe_intermediate_per_rank=inter // moe_tp,
         kv_heads_per_rank=kv_heads, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], tp_size=tp_size,
-        expert_quant=expert_quant, mla_latent_dim=latent)
+        expert_quant=expert_quant, mla_latent_dim=latent, ep_size=ep_size)
 
 
 def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:

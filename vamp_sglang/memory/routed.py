@@ -9,7 +9,7 @@ kernel reads the same addresses and (reading only routed experts) gives bit-iden
 Host: the rows are found with `torch.unique` and copied as runs of consecutive experts. CUDA: the copy
 list is built on the device from the device-resident top-k ids (`device_copy_list`: no host read, so it
 can run inside a CUDA graph or between its segments without a sync); the glue hands it to SGLang's
-paged-experts gather kernel, which reads the row count on the device (integration/routed_gather.py).
+paged-experts gather kernel, which reads the row count on the device (integration/staging/routed_gather.py).
 """
 
 from __future__ import annotations

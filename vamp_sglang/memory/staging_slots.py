@@ -6,7 +6,7 @@ engine (staging.py) can fill the next eligible layer's slot while the current la
 The slots' pages are aliased into each expert tensor's offloaded range (experts.py), so the copy
 destination is the expert tensor itself and the kernel reads fixed addresses: a CUDA graph can hold the
 MoE kernels as long as the engine's hooks run eagerly between its segments (SGLang's breakable graphs,
-see integration/moe_staging.py). Every layer's host copy lives in one host arena held here next to the
+see integration/staging/moe_staging.py). Every layer's host copy lives in one host arena held here next to the
 slots; the stores that alias the slots and read the arena are closed before either is freed.
 """
 

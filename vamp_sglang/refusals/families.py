@@ -40,8 +40,8 @@ _UNTESTED = ("no tiny checkpoint and server test check its pools and outputs und
              "a tiny_moe family and a server test")
 _MULTIMODAL = "a vision-language wrapper; " + _UNTESTED
 _DENSE = "its checkpoints are dense (the class builds experts only for an MoE config): no experts to page"
-_DRAFT = ("a speculative-decoding draft (MTP, NextN, EAGLE or assistant head), loaded only with "
-          "--speculative-algorithm, which VAMP refuses: the draft's KV pool does not grow with the target's")
+_DRAFT = ("a speculative-decoding draft (MTP, NextN, EAGLE or assistant head), served only as the draft of "
+          "--speculative-algorithm beside its target (pass the target as --model-path)")
 _SWA = ("sliding-window layers: SGLang keeps their KV in a second, window-sized pool (SWAKVPool; "
         "is_hybrid_swa_model, configs/model_config.py:2651) that VAMP does not grow")
 _LINEAR = ("hybrid Mamba2 / KDA / lightning linear-attention layers (configs/hybrid_arch.py): VAMP grows "

@@ -5,7 +5,7 @@ A configuration is caught in one of two places, with the same words. The launche
 and the model's config.json, so it refuses what a flag names explicitly before anything loads
 (`refused_by_flags`). What SGLang resolves itself is known only once its pools exist (the `auto` state
 strategy becoming extra_buffer with the overlap scheduler on a GPU, a QSA pool chosen from the model, an
-MLA or quantised full-attention pool), so `vamp_sglang.integration.hybrid.check_supported` inspects the
+MLA or quantised full-attention pool), so `vamp_sglang.integration.memory.hybrid.check_supported` inspects the
 built objects at scheduler start. No SGLang import here: the launcher must answer in about a second.
 """
 

@@ -1,14 +1,14 @@
 """MLA (DeepSeek) configurations VAMP cannot grow, refused by the launcher before anything loads.
 
-VAMP grows SGLang's plain `MLATokenToKVPool` (one latent buffer per layer, integration/kv_pool.py). SGLang
+VAMP grows SGLang's plain `MLATokenToKVPool` (one latent buffer per layer, integration/memory/kv_pool.py). SGLang
 builds another pool, with buffers VAMP does not lay out, for:
 - DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: a DSA architecture whose config has `index_topk`,
   SGLang's `is_deepseek_dsa`, configs/model_config.py:191): `DSATokenToKVPool` adds per-layer indexer
   K caches with their own scales;
 - a KV cache dtype with scale buffers (`--kv-cache-dtype nvfp4`, `fp4_mx_block16` or `mxfp8`): the FP4 and
   MXFP8 pools keep a scale tensor per layer next to the values.
-MTP draft pools come only with `--speculative-algorithm` (NEXTN, EAGLE), which the launcher already refuses
-with VAMP on. Whatever slips past these (a pool SGLang picks by itself) is refused at scheduler start by
+MTP draft pools (`--speculative-algorithm` NEXTN, EAGLE) are plain MLA pools that grow with the target's
+(integration/memory/draft_pools.py). Whatever slips past these (a pool SGLang picks by itself) is refused at scheduler start by
 `kv_pool.check_pool`, which names the pool class. No SGLang import here: the launcher answers in a second.
 """
 

@@ -1,0 +1,1 @@
+"""The decision at every KV shortfall and at restores, with the measurements and peers it reads."""

@@ -1,0 +1,1 @@
+"""`vamp:*` Prometheus series and `GET /vamp/stats`."""
