@@ -18,9 +18,10 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
                 "kv_pool_tokens": base.tokens, "deployment_tokens": base.tokens * d.pools, "source": base.source,
                 "tpot_bound_ms": d.decode_ms}
     report: dict[str, Any] = {
-        "model": name, "tp": d.tp, "dp": d.dp, "attention_tp": d.attn_tp, "gpu_mem_gib": d.gpu_mem_gib, "mem_fraction": d.mem_fraction,
+        "model": name, "tp": d.tp, "dp": d.dp, "ep": d.ep, "attention_tp": d.attn_tp, "gpu_mem_gib": d.gpu_mem_gib, "mem_fraction": d.mem_fraction,
         "dtype": d.dtype, "h2d_gbps": d.h2d_gbps, "decode_ms": d.decode_ms, "page_size": d.page_size,
-        "geometry": {"local_experts": geo.local_experts, "group_experts": lay.group_experts,
+        "geometry": {"local_experts": geo.local_experts, "routed_experts": geo.routed_experts,
+                     "moe_intermediate_per_rank": geo.moe_intermediate_per_rank, "group_experts": lay.group_experts,
                      "groups_per_layer": lay.groups_per_layer, "eligible_layers": len(lay.eligible_layer_ids),
                      "kv_bytes_per_token": geo.kv_bytes_per_token, "expert_gib_per_gpu": _gib(base.expert_bytes),
                      "expert_scale_gib_per_gpu": _gib(geo.expert_scale_bytes_per_layer * len(geo.moe_layer_ids)),
@@ -67,6 +68,10 @@ def format_table(report: dict[str, Any]) -> str:
     if report["dp"] > 1:
         lines.append(f"DP attention: {report['dp']} DP ranks of attention-TP {report['attention_tp']}, one pool each "
                      f"(pool tokens per DP rank; the deployment holds {report['dp']} x as many distinct tokens)")
+    if report["ep"] > 1:
+        lines.append(f"expert parallelism: EP {report['ep']}, each rank holds {geo['local_experts']} of the "
+                     f"{geo['routed_experts']} routed experts, split over tp / ep = {report['tp'] // report['ep']} "
+                     f"(intermediate {geo['moe_intermediate_per_rank']} per rank); groups and pools per rank")
     trace = "sessions_held" in b
     head = f"{'ratio':>8} {'groups':>6} {'reclaimed GiB':>13} {'pool GiB':>9} {'pool tokens':>12} " \
            f"{'staged GiB/step':>15} {'TPOT bound ms':>13}" + (f" {'sessions':>8}" if trace else "")
