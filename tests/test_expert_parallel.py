@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_integration_memory import GRAN, RATIO, make_layers, sglang_moe  # noqa: F401 (sglang_moe: fixture)
 from test_staging import HIDDEN, model, offload  # noqa: F401 (model: test_staging's fixture)
 
 from tests.test_decisions import on_both, two_ranks  # noqa: F401 (fixture)
@@ -146,3 +147,18 @@ def test_a_fused_shared_expert_stays_resident_on_every_ep_rank():
     assert fused.routed_experts == plain.local_experts and fused.bound_groups == plain.bound_groups
     boundary = fused.boundary_expert(fused.bound_groups)
     assert boundary + fused.bound_groups * fused.group_experts == fused.local_experts - 1  # the shared row stays
+
+
+def test_convert_experts_prices_routed_staging_over_every_ep_rank_s_experts(sglang_moe):  # noqa: F811
+    """Issue 45: SGLang's FusedMoE holds E / moe_ep_size local experts; the staging choice's expected routed
+    rows must use all E (the router picks among them), so convert_experts hands the engine the layer's EP size."""
+    from vamp_sglang.integration.staging import moe_staging
+    from vamp_sglang.memory.host_backend import HostPageBackend
+
+    layers = make_layers(sglang_moe[0])
+    for layer in layers:
+        layer.moe_ep_size = 2  # as an EP2 rank's layer reads it (fused_moe_triton/layer.py:390)
+    experts = moe_staging.convert_experts(layers, HostPageBackend("cpu", granularity_bytes=GRAN), RATIO,
+                                          staging_policy="auto")
+    assert experts.engine.chooser.experts == 2 * experts.stores[0].routed_experts
+    experts.close()

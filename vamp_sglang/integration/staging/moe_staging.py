@@ -214,7 +214,7 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         copier = GatherCopier(stores)
     engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
                            staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
-                           routed_copier=copier)
+                           routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)))
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
                         {s.w2.data_ptr(): s.layer_id for s in stores})
 
