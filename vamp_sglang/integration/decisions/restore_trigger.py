@@ -98,7 +98,7 @@ class RestoreTrigger:
                 scheduler.tree_cache.evict(EvictParams(num_tokens=chosen.evict_tokens, mamba_num=chosen.evict_states))
             if chosen.compact:
                 _after_the_launched_forward(scheduler)
-                compaction.compact_tail(scheduler.tree_cache, allocator, memory.pool.pool, keep_tokens)
+                compaction.compact_tail(scheduler.tree_cache, allocator, memory.sglang_pools, keep_tokens)
             restorable = groups if memory.restorable_groups() >= groups else 0
         except Exception as e:  # noqa: BLE001 - propose nothing, but still take part in the round
             maker.decision_error(e, None)

@@ -94,12 +94,12 @@ def used_tail_is_in(allocator: Any, values: list[torch.Tensor], keep_tokens: int
     return (int(allocator.size) - keep_tokens) - free_above == movable_rows
 
 
-def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int) -> int:
+def compact_tail(tree_cache: Any, allocator: Any, kv_pools: Any, keep_tokens: int) -> int:
     """Move every unlocked tree node's row above `keep_tokens` to a free row at or below it, in
-    `kv_pool`, the MHATokenToKVPool (K and V rows) or MLATokenToKVPool (latent rows) whose buffers VAMP grows
+    `kv_pools`, the MHATokenToKVPool (K and V rows) or MLATokenToKVPool (latent rows) whose buffers VAMP grows
     (on a hybrid model the allocator serves its HybridLinearKVPool wrapper; the rows are the full-attention
-    pool's). All or nothing: returns the
-    rows moved, or 0 (nothing changed) when there are not enough free low rows."""
+    pool's), or a list of it and the speculative draft's pools, whose rows the same token ids name.
+    All or nothing: returns the rows moved, or 0 (nothing changed) when there are not enough free low rows."""
     if allocator.page_size != 1:
         return 0
     held = _movable_tail(tree_cache, keep_tokens)
@@ -115,7 +115,8 @@ def compact_tail(tree_cache: Any, allocator: Any, kv_pool: Any, keep_tokens: int
     where = torch.cat([mask for _, _, mask, _ in held]).nonzero_static(size=rows).squeeze(1)  # no host read
     src = index[where]
     dst = low[:rows].to(src.dtype)
-    for buffer in pools.sglang_buffers(kv_pool):  # [rows, heads, head_dim] per layer (NHD; MLA: heads 1)
+    every_pool = kv_pools if isinstance(kv_pools, (list, tuple)) else [kv_pools]
+    for buffer in [b for pool in every_pool for b in pools.sglang_buffers(pool)]:  # [rows, heads, head_dim]
         buffer[dst] = buffer[src]
     index[where] = dst
     for value, moved in zip(values, torch.split(index, [value.numel() for value in values]), strict=True):

@@ -6,6 +6,9 @@ another rank refused); each remap is a transaction of the memory layer's `Repart
 whose last step publishes the new pool size to SGLang (allocator free list and every size copy), so
 a failure anywhere leaves SGLang, the KV rows and the expert bytes as they were.
 
+With a speculative draft (EAGLE, EAGLE3, NEXTN) every draft KV pool grows and shrinks with the target's, in
+the same transaction and to the same size (`draft_pools`): its pages come from the same groups.
+
 On a hybrid model the linear-attention state pool grows from the same groups (`slots_for`,
 `offload_state`; `state_pool`): a state-slot shortfall offloads to it, and a restore takes the KV
 pool's groups back first, then the state pool's.
@@ -19,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vamp_sglang.faults import NONE, Faults
 from vamp_sglang.integration.memory import kv_pool
+from vamp_sglang.integration.memory.draft_pools import buffer_set, draft_stats
 from vamp_sglang.integration.memory.kv_pool import GrowablePool
 from vamp_sglang.integration.memory.state_pool import GrowableStatePool
 from vamp_sglang.integration.staging import moe_staging
@@ -50,12 +54,15 @@ class ExpertMemory:
 
     def __init__(self, experts: ModelExperts, pool: GrowablePool, allocator: Any,
                  publish: Callable[[], dict[str, int]], quiesce: Callable[[], None],
-                 states: GrowableStatePool | None = None, tree_cache: Any = None) -> None:
+                 states: GrowableStatePool | None = None, tree_cache: Any = None,
+                 draft_pools: Sequence[GrowablePool] = ()) -> None:
         """`publish()` refreshes SGLang's copies of the pool size after the allocator changed and returns
         them; `quiesce()` waits until no forward can touch the pages about to move. `states` is a hybrid
-        model's state pool, whose cached states in `tree_cache` a restore may move."""
+        model's state pool, whose cached states in `tree_cache` a restore may move. `draft_pools` are the
+        speculative draft's KV pools over the same allocator's ids (integration/memory/draft_pools.py)."""
         kv_pool.check_allocator(allocator, pool)
         self.experts, self.pool, self.allocator = experts, pool, allocator
+        self.draft_pools = list(draft_pools)
         self.states, self.tree_cache = states, tree_cache
         self._state_target: int | None = None  # the state pool size the running remap publishes
         self._slots_at_start = 0  # the state pool size when the running remap began (what a rollback restores)
@@ -65,7 +72,8 @@ class ExpertMemory:
         self.remap_s = 0.0
         self.size_snapshots: dict[str, int] = {}
         self.repartitioner = Repartitioner(
-            self.layout, experts.stores, pool.kv, self._on_pool_resize, tail_is_free=self._tail_is_free,
+            self.layout, experts.stores, buffer_set(pool, self.draft_pools), self._on_pool_resize,
+            tail_is_free=self._tail_is_free,
             staging=experts.engine, state=states.buffers if states else None,
             on_state_resize=self._on_state_resize if states else None)
 
@@ -144,6 +152,11 @@ class ExpertMemory:
         self._remap(lambda: self.repartitioner.restore(n_groups, pool_tokens=new))
         return old - new
 
+    @property
+    def sglang_pools(self) -> list[Any]:
+        """SGLang's KV pools whose rows one token id names: the target's, then each draft's."""
+        return [self.pool.pool, *(d.pool for d in self.draft_pools)]
+
     def pool_sizes(self) -> PoolSizes:
         return PoolSizes(self.repartitioner.kv_groups, self.repartitioner.state_groups, self.pool_tokens,
                          self.states.slots if self.states is not None else 0)
@@ -200,6 +213,7 @@ class ExpertMemory:
                                   for mode, totals in staging.by_mode.items()},
                         "split_w2_wait": self.experts.engine.split_w2_wait,
                         "missed_w2_waits": self.experts.engine.missed_w2_waits},
+            **({"draft_pools": draft_stats(self.draft_pools)} if self.draft_pools else {}),
             **({"state_pool": {**self.states.stats(), "groups": rep.state_groups,
                                "max_slots": self.repartitioner.state_rows_at(lay.bound_groups) - 1}}
                if self.states is not None else {}),
@@ -235,7 +249,8 @@ class ExpertMemory:
     def _resize_sglang(self, old: int, new: int, zero_new_rows: bool = True) -> None:
         if new < old:
             kv_pool.shrink_allocator(self.allocator, new)  # checks the dropped ids are free first
-        self.pool.resize(new, zero_new_rows)
+        for pool in (self.pool, *self.draft_pools):
+            pool.resize(new, zero_new_rows)
         if new > old:
             kv_pool.grow_allocator(self.allocator, new)
         self.size_snapshots = self._publish()

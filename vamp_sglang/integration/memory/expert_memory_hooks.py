@@ -3,7 +3,8 @@
 1. after `ModelRunner.initialize` (model loaded, before KV sizing and graph capture): the experts are
    rebuilt over paged memory (`moe_staging.convert_experts`);
 2. when SGLang creates the KV buffers (MHA's K/V or MLA's latent buffers, and a hybrid model's state
-   pool): they are laid over growable reservations (`kv_pool`, `state_pool`);
+   pool): they are laid over growable reservations (`kv_pool`, `state_pool`); so are a speculative draft's
+   KV pools, built while a draft runner's `alloc_memory_pool` runs (`draft_pools`);
 3. `setup_scheduler`, once the scheduler exists: the `ExpertMemory` joins the VampRuntime (its
    `stats()` feed `/vamp/stats`); once the decision layer holds the TP ranks' agreement rounds it
    applies `--vamp-initial-offload-ratio` through `offload_at_start`, agreed like every remap.
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vamp_sglang.config import VampConfig
 from vamp_sglang.integration.hooks import Hook
-from vamp_sglang.integration.memory import kv_pool, state_pool
+from vamp_sglang.integration.memory import draft_pools, kv_pool, state_pool
 from vamp_sglang.integration.memory.expert_memory import ExpertMemory
 from vamp_sglang.integration.memory.kv_pool import GrowablePool
 from vamp_sglang.integration.memory.state_pool import GrowableStatePool
@@ -43,6 +44,8 @@ class _Process:
     pool: GrowablePool | None = None
     states: GrowableStatePool | None = None
     memory: ExpertMemory | None = None
+    draft_pools: list[GrowablePool] = field(default_factory=list)  # the speculative draft runners' KV pools
+    building_draft: bool = False  # a draft runner's alloc_memory_pool is running
 
 
 _process: _Process | None = None
@@ -73,10 +76,24 @@ def _after_model_runner_initialize(result: Any, runner: Any, *args: Any, **kwarg
 def _around_create_buffers_normal(original: Callable, pool: Any, *args: Any, **kwargs: Any) -> Any:
     """MHA's `_create_buffers_normal` or MLA's `_create_buffers`; an MLA subclass VAMP cannot grow (DSA,
     FP4) reaching the latter is refused here, by `check_pool`, naming its class."""
-    if _process is None or _process.pool is not None:
+    if _process is None or (_process.pool is not None and not _process.building_draft):
         return original(pool, *args, **kwargs)
-    _process.pool = kv_pool.lay_pool_over_growable(pool, _process.backend, _process.experts.layout)
+    if _process.pool is None:
+        _process.pool = kv_pool.lay_pool_over_growable(pool, _process.backend, _process.experts.layout)
+    else:
+        _process.draft_pools.append(draft_pools.lay_draft_pool(pool, _process.pool))
     return None
+
+
+def _around_alloc_memory_pool(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """A draft runner builds its KV pool over the target's allocator: mark the pools it creates as drafts."""
+    if _process is None or not runner.is_draft_worker:
+        return original(runner, *args, **kwargs)
+    _process.building_draft = True
+    try:
+        return original(runner, *args, **kwargs)
+    finally:
+        _process.building_draft = False
 
 
 def _after_init_mamba_pool(result: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> None:
@@ -122,7 +139,7 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     memory = ExpertMemory(_process.experts, _process.pool, scheduler.token_to_kv_pool_allocator,
                           publish=lambda: kv_pool.publish_pool_size(scheduler),
                           quiesce=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _no_op,
-                          states=states, tree_cache=scheduler.tree_cache)
+                          states=states, tree_cache=scheduler.tree_cache, draft_pools=_process.draft_pools)
     memory.faults = runtime.faults
     _process.memory = memory
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
@@ -154,6 +171,8 @@ _MR = "sglang.srt.model_executor.model_runner.ModelRunner"
 HOOKS = [
     Hook(f"{_MR}.initialize", "after", _after_model_runner_initialize,
          "page the experts once the model is loaded, before KV sizing and graph capture"),
+    Hook(f"{_MR}.alloc_memory_pool", "around", _around_alloc_memory_pool,
+         "speculative decoding: the KV pools a draft runner builds over the target's allocator grow with it"),
     Hook("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal", "around",
          _around_create_buffers_normal, "lay the KV buffers over reservations that grow in place"),
     Hook("sglang.srt.mem_cache.memory_pool.MLATokenToKVPool._create_buffers", "around", _around_create_buffers_normal,

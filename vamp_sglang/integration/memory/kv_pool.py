@@ -71,10 +71,11 @@ def resolved_attention_backends() -> dict[str, str | None]:
             for flag in attention_refusals.BACKEND_FLAGS}
 
 
-def check_pool(pool: Any) -> None:
+def check_pool(pool: Any, draft: bool = False) -> None:
     """Only the plain token-major MHA pool and the plain MLA latent pool are laid over growable buffers.
     MLA subclasses are refused by name: DSA's indexer cache (DSATokenToKVPool), FP4's scale buffers
-    (MLATokenToKVPoolFP4), the unified and page-interleaved layouts."""
+    (MLATokenToKVPoolFP4), the unified and page-interleaved layouts. A `draft` pool (an MTP layer) starts at
+    the draft's own layer id, not 0: pipeline parallelism is refused by the launcher, not read from it."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     if is_mla(pool):
@@ -83,7 +84,7 @@ def check_pool(pool: Any) -> None:
             (backend_refusal is not None, backend_refusal),
             (pool.use_dsa or pool.kv_scale_buffer is not None, "DSA indexer or KV scale buffers"),
             (pool.custom_mem_pool is not None, "a custom memory pool (PD disaggregation over NVLink)"),
-            (pool.start_layer != 0, f"layers from {pool.start_layer} (pipeline parallelism)"),
+            (pool.start_layer != 0 and not draft, f"layers from {pool.start_layer} (pipeline parallelism)"),
         ]
     elif type(pool) is not MHATokenToKVPool:
         problems = [(True, f"pool class {type(pool).__name__} (needs MHATokenToKVPool or MLATokenToKVPool)")]
