@@ -11,8 +11,9 @@ answers those imports:
 - the six speculative-decoding ops (EAGLE/NEXTN drafts, `--speculative-*`), in plain torch with the
   semantics of their Triton twins (see `sgl_kernel.speculative`).
 
-It registers nothing under `torch.ops.sgl_kernel` itself, and `sgl_kernel.mamba` (Qwen3-Next's
-Gated DeltaNet ops, see there) registers only its two ops: SGLang then finds no
+It registers under `torch.ops.sgl_kernel` only the four ops SGLang's Qwen3.5 model binds at import
+(`sgl_kernel.qwen3_5`, imported here), and `sgl_kernel.mamba` (Qwen3-Next's Gated DeltaNet ops, see
+there) registers only its two ops: SGLang then finds no
 `convert_weight_packed`, keeps the Intel AMX backend off, and runs every layer (MoE included)
 through `forward_native`. Names that SGLang imports inside `try/except ImportError` (rmsnorm,
 `sgl_kernel.scalar_type`, `sgl_kernel.allreduce`) are left out on purpose so its fallbacks run.
@@ -26,6 +27,7 @@ import ctypes
 
 import torch
 
+from . import qwen3_5  # noqa: F401  registers Qwen3.5's four torch ops
 from .speculative import (
     assign_draft_cache_locs_contiguous_cpu,
     assign_extend_cache_locs_cpu,
