@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from tests.test_integration_memory import fused_shared_experts, sglang_moe, vamp  # noqa: F401 (fixtures)
 from vamp_sglang.config import VampConfig
@@ -55,7 +56,8 @@ def tree_and_scheduler(alloc, page_size):
                              tree_core_backend=radix_backend.NAME)
     tree = radix_tree.VampUnifiedRadixCache(params)
     return tree, SimpleNamespace(max_total_num_tokens=alloc.size, forward_ct=0, tree_cache=tree,
-                                 token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=[]))
+                                 token_to_kv_pool_allocator=alloc, running_batch=SimpleNamespace(reqs=[]),
+                                 spec_algorithm=SpeculativeAlgorithm.NONE)
 
 
 def decisions_over(alloc, memory, monkeypatch):

@@ -75,6 +75,14 @@ class RestorePlan:
         return {"action": self.action, **asdict(self)}
 
 
+def decode_reserve_tokens(running_requests: int, retract_steps: int, draft_reserve: int = 0) -> int:
+    """Rows the running requests' next decode steps need free: SGLang's retraction buffer of `retract_steps`
+    tokens per request, and with speculative decoding the `draft_reserve` rows each request's next draft and
+    verify take ahead of its accepted tokens (SGLang's `get_alloc_reserve_per_decode`, twice the draft tokens
+    a step writes: mem_cache/allocation_sizing.py:64, eagle_utils.eagle_prepare_for_decode)."""
+    return running_requests * (retract_steps + draft_reserve)
+
+
 def calm(free_tokens: int, pool_tokens: int, keep_tokens: int, baseline_tokens: int) -> bool:
     """A busy step is calm if, after giving one step back, a quarter of the start-up pool stays free."""
     return free_tokens >= (pool_tokens - keep_tokens) + baseline_tokens // 4

@@ -17,7 +17,7 @@ from typing import Any
 
 from vamp_sglang.integration.decisions import dp_peers
 from vamp_sglang.integration.memory import compaction
-from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, plan_restore
+from vamp_sglang.policy.restore import IDLE_RESTORE_S, RestoreState, calm, decode_reserve_tokens, plan_restore
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +134,14 @@ def _after_the_launched_forward(scheduler: Any) -> None:
 def running_reserve_tokens(scheduler: Any) -> int:
     """Rows a busy restore leaves free for the running batch: SGLang's retraction buffer of
     SGLANG_RETRACT_DECODE_STEPS decode tokens per running request (what `retract_decode` keeps for each
-    request it lets run, sglang/srt/managers/schedule_batch.py:2391), and, while a prefill is chunked,
-    its next chunk (at most `chunked_prefill_size`). Replicated on every rank, as the schedule is."""
+    request it lets run, sglang/srt/managers/schedule_batch.py:2391) plus, with a speculative draft, the
+    draft tokens each request's next step allocates (`decode_reserve_tokens`), and, while a prefill is
+    chunked, its next chunk (at most `chunked_prefill_size`). Replicated on every rank, as the schedule is."""
     from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_reserve_per_decode
 
-    decode_tokens = len(scheduler.running_batch.reqs) * int(envs.SGLANG_RETRACT_DECODE_STEPS.get())
+    draft = 0 if scheduler.spec_algorithm.is_none() else int(get_alloc_reserve_per_decode())
+    decode_tokens = decode_reserve_tokens(len(scheduler.running_batch.reqs),
+                                          int(envs.SGLANG_RETRACT_DECODE_STEPS.get()), draft)
     chunked = getattr(scheduler, "chunked_req", None) is not None
     return decode_tokens + (int(scheduler.chunked_prefill_size or 0) if chunked else 0)

@@ -117,3 +117,19 @@ def draft_stats(drafts: Sequence[GrowablePool]) -> list[dict[str, int]]:
     """`/vamp/stats` `draft_pools`: each draft pool's size (tokens), layers and mapped buffer rows."""
     return [{"tokens": int(d.pool.size), "layers": int(d.pool.layer_num), "buffer_rows": d.kv.row_capacity}
             for d in drafts]
+
+
+class SpeculationStats:
+    """`/vamp/stats` `speculation`: SGLang's algorithm and its mean accept length (tokens committed per verify,
+    the lifetime totals of its metrics reporter plus the window not yet logged; None before the first verify),
+    the figure that says how many tokens a decode step's staged expert bytes are spread over."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def stats(self) -> dict[str, Any]:
+        reporter = self.scheduler.metrics_reporter
+        tokens = reporter.spec_total_num_accept_tokens + reporter.spec_num_accept_tokens
+        verifies = reporter.spec_total_num_forward_ct + reporter.spec_num_forward_ct
+        return {"speculation": {"algorithm": self.scheduler.spec_algorithm.name, "verify_steps": int(verifies),
+                                "accept_length": round(tokens / verifies, 4) if verifies else None}}

@@ -145,6 +145,8 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
     scheduler.vamp_expert_memory = runtime.expert_memory = memory
     runtime.extensions.append(memory)
+    if not scheduler.spec_algorithm.is_none():
+        runtime.extensions.append(draft_pools.SpeculationStats(scheduler))
 
 
 def offload_at_start(memory: ExpertMemory, rounds: Any, ratio: float) -> int:
