@@ -1,7 +1,7 @@
 """A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
 
     python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N] [--quant fp8]
-        [--eagle3-draft DRAFT_DIR]
+        [--eagle3-draft DRAFT_DIR] [--routing-from NPZ]
 
 Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per
 token, and whatever else the family records). A spec that fails its checks is a usage error (exit 2).
@@ -24,6 +24,7 @@ from vamp_sglang.tiny_moe.checkpoint import (
 from vamp_sglang.tiny_moe.common import QUANTS
 from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 from vamp_sglang.tiny_moe.fp8 import FP8_INTERMEDIATE
+from vamp_sglang.tiny_moe.routing import trace_geometry
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--layers", type=int, default=None,
                         help=f"default {defaults.layers}" + (f" ({other_layers})" if other_layers else ""))
-    parser.add_argument("--experts", type=int, default=defaults.experts)
-    parser.add_argument("--top-k", type=int, default=defaults.top_k)
+    parser.add_argument("--experts", type=int, default=None,
+                        help=f"default {defaults.experts}, or the --routing-from trace's")
+    parser.add_argument("--top-k", type=int, default=None, help=f"default {defaults.top_k}, or the trace's")
     parser.add_argument("--hidden", type=int, default=defaults.hidden)
     parser.add_argument("--intermediate", type=int, default=None,
                         help=f"default {defaults.intermediate}; {FP8_INTERMEDIATE} with --quant fp8 (the same bytes "
@@ -50,15 +52,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="fp8: block-quantised FP8 projections, with the bf16 source in OUT_DIR/bf16")
     parser.add_argument("--eagle3-draft", type=Path, default=None, metavar="DRAFT_DIR",
                         help="also write an EAGLE3 draft of the checkpoint there (--arch qwen3_moe)")
+    parser.add_argument("--routing-from", type=Path, default=None, metavar="NPZ",
+                        help="fit the routers to route like this routing trace (routing-data format; routing.py)")
     args = parser.parse_args(argv)
     fields = {k: v for k, v in vars(args).items()
-              if k not in ("out_dir", "eagle3_draft") and v is not None}
+              if k not in ("out_dir", "eagle3_draft", "routing_from") and v is not None}
+    if args.routing_from is not None and args.routing_from.is_file():
+        fields = trace_geometry(args.routing_from) | fields
     if args.quant == "fp8" and args.intermediate is None:
         fields["intermediate"] = FP8_INTERMEDIATE
     start_s = time.perf_counter()
     try:
         spec = spec_for(**fields)
-        out = write_checkpoint(args.out_dir, spec)
+        out = write_checkpoint(args.out_dir, spec, args.routing_from)
         if args.eagle3_draft is not None:
             write_eagle3_draft(out, args.eagle3_draft)
     except ValueError as exc:

@@ -19,6 +19,7 @@ from vamp_sglang.tiny_moe.glm4_moe import Glm4MoeSpec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
 from vamp_sglang.tiny_moe.qwen3_next import Qwen3NextSpec
+from vamp_sglang.tiny_moe.routing import check_routing_source, fit_routers
 from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
 
 FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
@@ -38,20 +39,23 @@ def spec_for(arch: str = DEFAULT_ARCH, **fields) -> TinyMoeSpec:
     return FAMILIES[arch](**fields)
 
 
-def make_checkpoint(out_dir: str | Path, **spec_fields) -> Path:
+def make_checkpoint(out_dir: str | Path, routing_from: Path | None = None, **spec_fields) -> Path:
     """Write (or reuse) the checkpoint for `spec_for(**spec_fields)` in out_dir; returns out_dir."""
-    return write_checkpoint(out_dir, spec_for(**spec_fields))
+    return write_checkpoint(out_dir, spec_for(**spec_fields), routing_from)
 
 
-def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
-    """Write (or reuse) the checkpoint for `spec` in out_dir; returns out_dir.
+def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec, routing_from: Path | None = None) -> Path:
+    """Write (or reuse) the checkpoint for `spec` in out_dir; returns out_dir. With `routing_from` (a
+    routing trace), the routers are then fitted to route like it (routing.py).
 
-    Reuses out_dir untouched when its manifest records the same spec and every file has the
-    recorded size. The manifest is written last, so an interrupted run is redone.
+    Reuses out_dir untouched when its manifest records the same spec and routing source and every file
+    has the recorded size. The manifest is written last, so an interrupted run is redone.
     """
     spec.validate()
+    if routing_from is not None:
+        check_routing_source(spec, routing_from)
     out = Path(out_dir)
-    if _manifest_matches(out, spec):
+    if _manifest_matches(out, spec, routing_from):
         return out
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
@@ -70,6 +74,7 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
         side = {name: spec.draw(name, shape) for name, shape in shapes.items()}
         _save_tensors(out / file_name, side)
         tensors |= side
+    routing = {} if routing_from is None else {"routing": fit_routers(out, spec, routing_from)}
 
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))
              if p.is_file() and p.name != MANIFEST}
@@ -81,7 +86,7 @@ def write_checkpoint(out_dir: str | Path, spec: TinyMoeSpec) -> Path:
         "vocab_size": vocab_size,
         "expert_bytes_per_layer": spec.expert_bytes_per_layer,
         "kv_bytes_per_token": spec.kv_bytes_per_token,
-    } | spec.manifest_extras()
+    } | spec.manifest_extras() | routing
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return out
 
@@ -99,12 +104,14 @@ def _save_tensors(path: Path, tensors: dict) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _manifest_matches(out_dir: Path, spec: TinyMoeSpec) -> bool:
+def _manifest_matches(out_dir: Path, spec: TinyMoeSpec, routing_from: Path | None) -> bool:
     path = out_dir / MANIFEST
     if not path.is_file():
         return False
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT_VERSION or manifest.get("spec") != spec.as_manifest():
+        return False
+    if manifest.get("routing", {}).get("from") != (None if routing_from is None else str(routing_from)):
         return False
     return all((out_dir / name).is_file() and (out_dir / name).stat().st_size == size
                for name, size in manifest["files"].items())
