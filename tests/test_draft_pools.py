@@ -21,6 +21,7 @@ from tests.test_integration_memory import (  # noqa: F401 (fused_shared_experts,
     LAYERS,
     POOL_TOKENS,
     fused_shared_experts,
+    make_layers,
     sglang_moe,
     vamp,
 )
@@ -171,3 +172,29 @@ def test_the_buffer_set_refuses_members_of_other_rows():
     with pytest.raises(UnsupportedPoolError, match="draft KV pool of 1024 B rows"):
         draft_pools.KVBufferSet([a, b])
     assert draft_pools.KVBufferSet([a, a]).n_buffers == 12
+
+
+def test_a_draft_moe_with_a_target_layer_id_stays_resident_and_unstaged(vamp, spec):  # noqa: F811
+    """DeepSeek's MTP layer is a FusedMoE of its own (`is_draft`) that runs every draft step: VAMP never
+    converts it (the draft runner's initialize is skipped), and staging keys layers by identity, so a draft
+    layer whose layer id equals an eligible target layer's runs SGLang's MoE on its own weights, untouched,
+    however many target groups are offloaded, and stages nothing."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    draft_layer = make_layers(FusedMoE, seed=9)[1]  # layer id 1, an eligible target layer's id
+    assert vamp.experts.layout.eligible_index(draft_layer.layer_id) is not None
+    weights = (draft_layer.w13_weight.detach().clone(), draft_layer.w2_weight.detach().clone())
+    hooks._after_model_runner_initialize(None, SimpleNamespace(is_draft_worker=True, model=[draft_layer]))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, draft_layer.w2_weight.shape[1], generator=g)
+    logits = torch.randn(16, draft_layer.w13_weight.shape[0], generator=g)
+    w, ids = torch.topk(torch.softmax(logits, -1), 2)
+    topk = StandardTopKOutput(w, ids.to(torch.int32), logits)
+    reference = draft_layer(x, topk)
+    spec.memory.offload(2, spec.memory.tokens_for(2))
+    vamp.experts.engine.begin_forward()
+    staged = vamp.experts.engine.stats().bytes_staged
+    assert torch.equal(draft_layer(x, topk), reference)
+    assert vamp.experts.engine.stats().bytes_staged == staged, "the draft layer staged target experts"
+    assert torch.equal(draft_layer.w13_weight, weights[0]) and torch.equal(draft_layer.w2_weight, weights[1])
