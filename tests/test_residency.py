@@ -1,0 +1,142 @@
+"""Residency by routing (issue 49): decayed routing counts, the logical -> physical map applied to top-k ids,
+and the row swaps inside an offload transaction on real host pages: the offloaded rows hold the coldest
+experts, MoE outputs are bit-identical to the unpermuted layer, and a rollback restores rows, host copies,
+resident per-expert tensors and the map together. No SGLang."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_experts import host_backend, make_layout, make_weights
+
+from vamp_sglang.memory.journal import Journal, atomic
+from vamp_sglang.memory.residency import ExpertOrder, ExpertRows, RoutingCounts, plan_swaps, reorder_rows
+from vamp_sglang.memory.staging import StagingEngine
+from vamp_sglang.memory.staging_slots import build_expert_stores
+
+EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 24, 128, 64, 2, 32  # w13 64 KiB, w2 32 KiB: a group is 2 experts
+
+
+def moe_with_ids(x, gates, ids, w13, w2):
+    """SiLU-gated experts at the given rows and gate weights (moe_forward_native's sum, ids given)."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tok] @ w13[e].T).chunk(2, dim=-1)
+        out.index_add_(0, tok, (F.silu(gate) * up @ w2[e].T) * gates[tok, slot, None])
+    return out
+
+
+def skewed_routes(router, x):
+    gates, ids = torch.topk(torch.softmax(x @ router.T, dim=-1), TOP_K, dim=-1)
+    return gates / gates.sum(dim=-1, keepdim=True), ids
+
+
+def test_plan_puts_the_coldest_experts_in_the_offloaded_rows():
+    counts = [5.0, 1.0, 9.0, 0.0, 7.0, 2.0]  # logical expert -> count
+    logical_at = [0, 1, 2, 3, 4, 5]
+    pairs = plan_swaps(counts, logical_at, boundary=3)  # rows 3..5 hold 3 (0), 4 (7), 5 (2)
+    assert pairs == [(1, 4)]  # hottest offloaded (4: 7) <-> coldest resident (1: 1); 5 (2) < 5 (5) stays
+    for a, b in pairs:
+        logical_at[a], logical_at[b] = logical_at[b], logical_at[a]
+    assert sorted(logical_at[3:]) == [1, 3, 5]  # the three coldest
+    assert plan_swaps(counts, logical_at, 3) == []  # stable once ordered
+    assert plan_swaps([1.0] * 6, list(range(6)), 3) == []  # ties never move rows
+
+
+def test_counts_decay_ignore_padding_and_sum_over_layers_separately():
+    counts = RoutingCounts(layers=2, experts=4, halflife_steps=1.0)
+    counts.observe(0, torch.tensor([[0, 1], [0, -1]]))
+    counts.observe(0, torch.tensor([[2, 4]]))  # 4 is not a routed id: the sentinel takes it
+    assert counts.agreed(0).tolist() == [1.0, 0.5, 1.0, 0.0]  # the first step halved once
+    assert counts.agreed(1).tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="halflife_steps"):
+        RoutingCounts(1, 4, halflife_steps=0)
+
+
+def test_map_rewrites_routed_ids_and_leaves_padding_and_shared_experts():
+    order = ExpertOrder(layers=2, routed=4)
+    order.swap(1, 0, 3)
+    ids = torch.tensor([[0, 3], [-1, 4], [1, 2]], dtype=torch.int32)
+    order.map_ids(1, ids)
+    assert ids.tolist() == [[3, 0], [-1, 4], [1, 2]] and ids.dtype == torch.int32
+    untouched = torch.tensor([[0, 3]])
+    order.map_ids(0, untouched)
+    assert untouched.tolist() == [[0, 3]] and order.physical_of(1) == [3, 1, 2, 0]
+
+
+@pytest.fixture
+def layer():
+    backend = host_backend()
+    weights = make_weights([0, 1], EXPERTS, HIDDEN, INTER, seed=3)
+    router = weights[1][2].clone()
+    router[EXPERTS // 2:] *= 4  # wide logits: the high-index experts, which residency by index offloads, are
+    router[: EXPERTS // 2] *= 0.1  # the hot ones
+    layout = make_layout(weights, 0.5)
+    staging, stores = build_expert_stores(backend, layout, {1: weights[1][:2]})
+    yield backend, weights, router, layout, stores[0]
+    stores[0].close()
+    staging.close()
+    backend.close()
+
+
+def _offload_by_routing(store, order, counts, groups, scales, journal):
+    """The transaction: swap rows while they are resident, then let the pages go."""
+    rows = ExpertRows([store.w13, store.w2], [store.host_w13, store.host_w2], store.routed_experts, [scales])
+    target = store.layout.boundary_expert(store.offloaded_groups + groups)
+    moved = reorder_rows(order, 0, rows, counts, store.boundary_expert, target, journal)
+    return moved, store.offload_tail_pages(groups, journal)
+
+
+def test_offloaded_rows_hold_the_coldest_and_outputs_are_unchanged(layer):
+    backend, weights, router, layout, store = layer
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(4))
+    gates, logical = skewed_routes(router, x)
+    w13, w2 = weights[1][:2]
+    reference = moe_with_ids(x, gates, logical, w13, w2)
+    counts = RoutingCounts(1, EXPERTS)
+    counts.observe(0, logical)
+    order = ExpertOrder(1, EXPERTS)
+    scales = torch.arange(EXPERTS, dtype=torch.float32)[:, None].repeat(1, 3)  # a resident per-expert tensor
+    groups = layout.groups_for_ratio(0.5)
+    with atomic(None) as journal:
+        moved, freed = _offload_by_routing(store, order, counts.agreed(0), groups, scales, journal)
+    for handle in freed:
+        backend.release(handle)
+    boundary = store.boundary_expert
+    assert boundary == EXPERTS // 2 and moved > 0
+    by_count = counts.agreed(0)
+    offloaded = order.logical_at[0][boundary:]
+    coldest = sorted(range(EXPERTS), key=lambda e: (by_count[e].item(), e))[:EXPERTS - boundary]
+    assert sorted(by_count[offloaded].tolist()) == sorted(by_count[coldest].tolist())
+    assert scales[:, 0].tolist() == [float(e) for e in order.logical_at[0]]  # scales moved with their rows
+    physical = logical.clone()
+    order.map_ids(0, physical)
+    engine = StagingEngine([store], "sync")
+    engine.begin_forward()
+    engine.before_moe(1)  # whole staging of the offloaded rows from the (swapped) host copies
+    assert torch.equal(moe_with_ids(x, gates, physical, store.w13, store.w2), reference)
+    rows = order.logical_at[0]  # every physical row, staged or resident, holds its logical expert's weights
+    assert torch.equal(store.w13, w13[rows]) and torch.equal(store.w2, w2[rows])
+    engine.after_moe(1)
+    engine.close()
+    staged_by_index = (logical >= boundary).sum().item()
+    assert (physical >= boundary).sum().item() < staged_by_index / 2  # far fewer picks reach the staged rows
+
+
+def test_a_failed_transaction_restores_rows_host_copies_scales_and_map(layer):
+    _backend, _weights, router, layout, store = layer
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(5))
+    counts = RoutingCounts(1, EXPERTS)
+    counts.observe(0, skewed_routes(router, x)[1])
+    order = ExpertOrder(1, EXPERTS)
+    scales = torch.randn(EXPERTS, 3)
+    before = (store.w13.clone(), store.w2.clone(), store.host_w13.clone(), store.host_w2.clone(), scales.clone())
+    journal = Journal()
+    moved, freed = _offload_by_routing(store, order, counts.agreed(0), layout.groups_for_ratio(0.5), scales,
+                                       journal)
+    assert moved > 0 and freed and order.logical_at[0] != list(range(EXPERTS))
+    journal.rollback()  # as the KV side's failure would: pages back, then the swaps undone, newest first
+    after = (store.w13, store.w2, store.host_w13, store.host_w2, scales)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert order.logical_at[0] == list(range(EXPERTS))
+    assert order.device_map[0].tolist() == list(range(EXPERTS)) and store.offloaded_groups == 0

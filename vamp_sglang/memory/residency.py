@@ -1,0 +1,154 @@
+"""Residency by routing: which experts an eligible layer offloads follows how often the router picks them.
+
+Paper IV-C offloads a layer's highest-index expert groups, whatever the router prefers. Real routing is
+mildly skewed (../shared/research/routing-stats.md: the hottest quarter of a layer's experts takes about a
+third of the selections), so a region holding the coldest experts is read less often: routed staging
+copies fewer rows and host-computed experts see fewer tokens (the decode-cost bench's `routed+order`:
+0.73x routed's bytes on DeepSeek-V2-Lite at batch 1). Page boundaries stay where they are; what moves
+is the experts. Physical row p of the expert tensors holds logical expert `logical_at[p]`, and the
+router's top-k ids are mapped logical -> physical right before the MoE kernel, as SGLang maps logical
+to physical experts for EPLB (`topk_ids_logical_to_physical`, layers/moe/topk.py), so outputs do not
+change.
+
+- `RoutingCounts`: decayed selection counts per eligible layer and logical expert, accumulated on the
+  device from the top-k ids VAMP already sees (fixed shapes: graph safe), summed across ranks when a
+  transaction reads them (TP ranks see the same ids; DP attention ranks see different tokens).
+- `ExpertOrder`: the logical -> physical map per layer, a device tensor the MoE path reads in place.
+- `reorder_rows`: inside an offload or restore transaction, swap expert rows (device rows, host copies,
+  per-expert resident tensors such as FP8 scales, and the map) so that rows [boundary, routed) hold the
+  layer's coldest experts. Every swap is journalled, so a rollback restores all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vamp_sglang.memory.journal import Journal
+
+HALFLIFE_STEPS = 2000.0  # the counts' half-life in observations (forward steps), as the bench's
+
+
+class RoutingCounts:
+    """Decayed selection counts `[layers, experts]` of logical experts, kept on the device."""
+
+    def __init__(self, layers: int, experts: int, device: torch.device | str = "cpu",
+                 halflife_steps: float = HALFLIFE_STEPS) -> None:
+        if halflife_steps <= 0:
+            raise ValueError(f"halflife_steps={halflife_steps} must be > 0")
+        self.experts = experts
+        self.decay = 0.5 ** (1.0 / halflife_steps)
+        self._counts = torch.zeros(layers, experts + 1, dtype=torch.float32, device=device)  # + sentinel
+
+    def observe(self, index: int, topk_ids: torch.Tensor) -> None:
+        """Count one step's logical top-k ids of eligible layer `index`; ids outside [0, E) (padding) land
+        on a sentinel column. Device ops of fixed shape only: no host read, safe inside a CUDA graph."""
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        ids = torch.where((ids >= 0) & (ids < self.experts), ids, self.experts)
+        row = self._counts[index]
+        row.mul_(self.decay)
+        row.index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
+
+    def agreed(self, index: int, group=None) -> torch.Tensor:
+        """Layer `index`'s counts on the host, summed over the ranks of `group` (a torch.distributed
+        process group, or None for this rank alone), so every rank plans the same order."""
+        counts = self._counts[index, :self.experts].clone()
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        return counts.cpu()
+
+
+class ExpertOrder:
+    """Per eligible layer, `physical_of[logical]` (and its inverse) for the routed experts; rows at or
+    above `routed` (fused shared experts) are never mapped."""
+
+    def __init__(self, layers: int, routed: int, device: torch.device | str = "cpu") -> None:
+        self.routed = routed
+        self.logical_at = [list(range(routed)) for _ in range(layers)]  # host master: physical -> logical
+        self.device_map = torch.arange(routed, device=device).repeat(layers, 1)  # logical -> physical
+
+    def map_ids(self, index: int, topk_ids: torch.Tensor) -> None:
+        """Rewrite logical top-k ids as physical rows in place; other ids (padding, shared experts) stay.
+        Fixed-shape device ops on a fixed tensor, so a captured graph replays the live order."""
+        ids = topk_ids.to(torch.int64)
+        routed = (ids >= 0) & (ids < self.routed)
+        mapped = self.device_map[index][ids.clamp(0, self.routed - 1)]
+        topk_ids.copy_(torch.where(routed, mapped, ids).to(topk_ids.dtype))
+
+    def physical_of(self, index: int) -> list[int]:
+        """Layer `index`'s logical -> physical map (host side)."""
+        out = [0] * self.routed
+        for row, expert in enumerate(self.logical_at[index]):
+            out[expert] = row
+        return out
+
+    def swap(self, index: int, a: int, b: int) -> None:
+        """Exchange what physical rows a and b hold, in the host master and the device map."""
+        at = self.logical_at[index]
+        at[a], at[b] = at[b], at[a]
+        self.device_map[index, at[a]] = a
+        self.device_map[index, at[b]] = b
+
+
+def plan_swaps(counts: Sequence[float], logical_at: Sequence[int], boundary: int) -> list[tuple[int, int]]:
+    """(resident row, offloaded row) pairs to exchange so that rows [boundary, routed) hold the coldest
+    experts: the hottest offloaded expert trades places with the coldest resident one while it is
+    strictly hotter (ties stay put, so equal counts never churn rows). Deterministic: ties by row."""
+    routed = len(logical_at)
+    resident = sorted(range(boundary), key=lambda r: (counts[logical_at[r]], r))
+    offloaded = sorted(range(boundary, routed), key=lambda r: (-counts[logical_at[r]], r))
+    pairs = []
+    for low, high in zip(resident, offloaded):
+        if counts[logical_at[high]] <= counts[logical_at[low]]:
+            break
+        pairs.append((low, high))
+    return pairs
+
+
+class ExpertRows:
+    """One layer's expert rows wherever they live: the device tensors `[E, ...]`, their host copies of rows
+    [host_offset, routed), and resident per-expert tensors (FP8 block scales) that only live on the device.
+    A row at or above the staging boundary is read from the host copy (its device pages alias a staging
+    slot); a row below the host offset has no host copy."""
+
+    def __init__(self, device: Sequence[torch.Tensor], host: Sequence[torch.Tensor], routed: int,
+                 resident: Sequence[torch.Tensor] = ()) -> None:
+        if len(device) != len(host):
+            raise ValueError(f"{len(device)} device weights, {len(host)} host copies")
+        self.device, self.host, self.resident = list(device), list(host), list(resident)
+        self.routed = routed
+
+    def swap(self, a: int, b: int, boundary: int) -> int:
+        """Exchange the contents of rows a and b with `boundary` the first staged row; returns bytes moved."""
+        moved = 0
+        for device, host in zip(self.device, self.host):
+            offset = self.routed - host.shape[0]
+            rows = [(host[r - offset] if r >= boundary else device[r]).clone() for r in (a, b)]
+            for r, content in ((a, rows[1]), (b, rows[0])):
+                if r < boundary:
+                    device[r].copy_(content)
+                if r >= offset:
+                    host[r - offset].copy_(content)
+                moved += 2 * content.numel() * content.element_size()
+        for tensor in self.resident:
+            tensor[[a, b]] = tensor[[b, a]]
+        return moved
+
+
+def reorder_rows(order: ExpertOrder, index: int, rows: ExpertRows, counts: torch.Tensor, resident_end: int,
+                 target_boundary: int, journal: Journal) -> int:
+    """Inside a transaction: swap layer `index`'s rows so [target_boundary, routed) hold its coldest experts
+    by `counts` (logical), while rows [0, resident_end) are on the device (for an offload: before its pages
+    leave; for a restore: after its rows came back). Each swap is journalled with its inverse (the same
+    swap), so a rollback leaves rows, host copies and map as they were. Returns the bytes moved."""
+    if not 0 <= target_boundary <= resident_end <= order.routed:
+        raise ValueError(f"boundaries {target_boundary} <= {resident_end} <= {order.routed} do not hold")
+    moved = 0
+    for a, b in plan_swaps(counts.tolist(), order.logical_at[index], target_boundary):
+        def exchange(a=a, b=b) -> int:
+            order.swap(index, a, b)
+            return rows.swap(a, b, resident_end)
+
+        moved += journal.run(exchange, lambda _, exchange=exchange: exchange())
+    return moved
