@@ -17,12 +17,11 @@ EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 24, 128, 64, 2, 32  # w13 64 KiB, w2 32 
 
 
 def moe_with_ids(x, gates, ids, w13, w2):
-    """SiLU-gated experts at the given rows and gate weights (moe_forward_native's sum, ids given)."""
+    """SiLU-gated experts at the given rows, one top-k slot at a time over per-token gathered weights."""
     out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tok] @ w13[e].T).chunk(2, dim=-1)
-        out.index_add_(0, tok, (F.silu(gate) * up @ w2[e].T) * gates[tok, slot, None])
+    for k in range(ids.shape[1]):
+        gate, up = torch.bmm(w13[ids[:, k]], x[:, :, None])[..., 0].chunk(2, dim=-1)
+        out += gates[:, k, None] * torch.bmm(w2[ids[:, k]], (F.silu(gate) * up)[:, :, None])[..., 0]
     return out
 
 
