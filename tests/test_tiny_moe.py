@@ -136,7 +136,7 @@ def test_qwen3_next_default_geometry():
     assert (spec.linear_key_heads, spec.linear_value_heads, spec.linear_head_dim, spec.conv_kernel) == (2, 4, 64, 4)
     assert spec.expert_bytes_per_layer == 96 * 2**20 and spec.kv_bytes_per_token == 2048
     assert spec.linear_state_bytes == 6 * (4 * 64 * 64 + 512 * 3) * 4
-    assert all(spec_for(arch).layers == 6 for arch in ARCHS if arch != "qwen3_next")  # others keep theirs
+    assert all(spec_for(arch).layers == 6 for arch in ARCHS if arch not in ("qwen3_next", "qwen3_5_moe"))  # hybrids: 8
 
 
 def test_qwen3_next_config_is_what_sglang_reads(small_next):

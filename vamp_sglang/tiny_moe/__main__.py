@@ -1,6 +1,6 @@
 """A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
 
-    python -m vamp_sglang.tiny_moe OUT_DIR [--arch qwen3_moe|mixtral|qwen3_next] [--seed N] [--quant fp8]
+    python -m vamp_sglang.tiny_moe OUT_DIR [--arch ARCH] [--seed N] [--quant fp8]
         [--eagle3-draft DRAFT_DIR] [--routing-from NPZ]
 
 Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per

@@ -17,6 +17,7 @@ from vamp_sglang.tiny_moe.common import TinyMoeSpec
 from vamp_sglang.tiny_moe.deepseek import DeepseekV2Spec, DeepseekV3Spec
 from vamp_sglang.tiny_moe.glm4_moe import Glm4MoeSpec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
+from vamp_sglang.tiny_moe.qwen3_5_moe import Qwen3_5MoeSpec
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
 from vamp_sglang.tiny_moe.qwen3_next import Qwen3NextSpec
 from vamp_sglang.tiny_moe.routing import check_routing_source, fit_routers
@@ -24,7 +25,8 @@ from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
 
 FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
                                                                              Qwen3NextSpec, DeepseekV3Spec,
-                                                                             DeepseekV2Spec, Glm4MoeSpec)}
+                                                                             DeepseekV2Spec, Glm4MoeSpec,
+                                                                             Qwen3_5MoeSpec)}
 ARCHS = tuple(FAMILIES)
 DEFAULT_ARCH = "qwen3_moe"
 MANIFEST = "vamp_tiny_moe.json"
