@@ -26,6 +26,8 @@ def test_detects_hybrid_configs_only(tmp_path, next_model):
     assert is_hybrid_linear(next_model)
     assert is_hybrid_linear(_model(tmp_path, "other", {"model_type": "x", "layer_types": ["linear_attention"]}))
     assert not is_hybrid_linear(_model(tmp_path, "moe", {"model_type": "qwen3_moe"}))
+    wrapper = {"model_type": "qwen3_5_moe", "text_config": {"layer_types": ["linear_attention", "full_attention"]}}
+    assert is_hybrid_linear(_model(tmp_path, "qwen3_5_vl", wrapper))  # Qwen3.5's published layout
     assert not is_hybrid_linear("Qwen/Qwen3-Next-80B-A3B-Instruct")  # no local config: left to SGLang
     assert not is_hybrid_linear(None)
 

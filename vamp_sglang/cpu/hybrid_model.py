@@ -24,10 +24,11 @@ MAMBA_SLOTS = 64
 
 
 def is_hybrid_linear(model_path: str | None) -> bool:
-    """True when model_path is a local checkpoint whose config has linear-attention layers."""
+    """True when model_path is a local checkpoint whose config has linear-attention layers, at its top level
+    or in its `text_config` (a vision-language wrapper such as Qwen3_5MoeForConditionalGeneration)."""
     config = local_model_config(model_path)
-    return (config.get("model_type") in HYBRID_MODEL_TYPES
-            or "linear_attention" in (config.get("layer_types") or ()))
+    return any(part.get("model_type") in HYBRID_MODEL_TYPES or "linear_attention" in (part.get("layer_types") or ())
+               for part in (config, config.get("text_config") or {}))
 
 
 def hybrid_cpu_defaults() -> list[str]:
