@@ -4,8 +4,8 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# qwen3_moe, mixtral, qwen3_next (the paper's hybrid model), deepseek_v3 or deepseek_v2 (MLA), glm4_moe (GLM-4.5):
-# `make demo ARCH=qwen3_next`
+# qwen3_moe, mixtral, qwen3_next (the paper's hybrid model), deepseek_v3 or deepseek_v2 (MLA), glm4_moe (GLM-4.5),
+# qwen3_5_moe (Qwen3.5/3.6 MoE): `make demo ARCH=qwen3_next`
 ARCH ?= qwen3_moe
 # fp8: the block-FP8 checkpoint of that arch (docs/fp8.md): `make demo QUANT=fp8`
 QUANT ?= none

@@ -77,13 +77,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "Qwen3.5 / Qwen3.6 MoE (hybrid)",
         _archs("Qwen3_5MoeForCausalLM Qwen3_5MoeForConditionalGeneration"),
-        reason="SGLang builds Qwen3-Next's KV and Gated DeltaNet state pools for it (hybrid_gdn_config, "
-               "configs/hybrid_arch.py:55), which VAMP grows, but no tiny checkpoint or server test checks "
-               "it: "
-               "SGLang's Qwen3.5 CPU path needs four sgl-kernel CPU ops (fused_sigmoid_mul_cpu, "
-               "fused_qk_gemma_rmsnorm[_with_gate]_cpu, fused_qkvzba_split_reshape_cat_contiguous_cpu; "
-               "models/qwen3_5.py:283) that the CPU stand-in lacks; it would take those ops in torch and a "
-               "tiny_moe family"),
+        tiny_archs=("qwen3_5_moe",),
+        pools="KV and linear-attention state, as Qwen3-Next's ([docs/hybrid-models.md](docs/hybrid-models.md))"),
     Family(
         "gpt-oss",
         _archs("GptOssForCausalLM"),
