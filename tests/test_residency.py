@@ -7,9 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_experts import host_backend, make_layout, make_weights
+from test_repartition import HIDDEN as REPART_HIDDEN
+from test_repartition import (
+    InjectedFault,
+    count_calls,
+    snapshot,
+    system,  # noqa: F401 (the fixture)
+)
 
 from vamp_sglang.memory.journal import Journal, atomic
-from vamp_sglang.memory.residency import ExpertOrder, ExpertRows, RoutingCounts, plan_swaps, reorder_rows
+from vamp_sglang.memory.residency import (
+    ExpertOrder,
+    ExpertRows,
+    Residency,
+    RoutingCounts,
+    plan_swaps,
+    reorder_rows,
+)
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores
 
@@ -46,8 +60,7 @@ def test_counts_decay_ignore_padding_and_sum_over_layers_separately():
     counts = RoutingCounts(layers=2, experts=4, halflife_steps=1.0)
     counts.observe(0, torch.tensor([[0, 1], [0, -1]]))
     counts.observe(0, torch.tensor([[2, 4]]))  # 4 is not a routed id: the sentinel takes it
-    assert counts.agreed(0).tolist() == [1.0, 0.5, 1.0, 0.0]  # the first step halved once
-    assert counts.agreed(1).tolist() == [0.0] * 4
+    assert counts.agreed().tolist() == [[1.0, 0.5, 1.0, 0.0], [0.0] * 4]  # the first step halved once
     with pytest.raises(ValueError, match="halflife_steps"):
         RoutingCounts(1, 4, halflife_steps=0)
 
@@ -98,12 +111,12 @@ def test_offloaded_rows_hold_the_coldest_and_outputs_are_unchanged(layer):
     scales = torch.arange(EXPERTS, dtype=torch.float32)[:, None].repeat(1, 3)  # a resident per-expert tensor
     groups = layout.groups_for_ratio(0.5)
     with atomic(None) as journal:
-        moved, freed = _offload_by_routing(store, order, counts.agreed(0), groups, scales, journal)
+        moved, freed = _offload_by_routing(store, order, counts.agreed()[0], groups, scales, journal)
     for handle in freed:
         backend.release(handle)
     boundary = store.boundary_expert
     assert boundary == EXPERTS // 2 and moved > 0
-    by_count = counts.agreed(0)
+    by_count = counts.agreed()[0]
     offloaded = order.logical_at[0][boundary:]
     coldest = sorted(range(EXPERTS), key=lambda e: (by_count[e].item(), e))[:EXPERTS - boundary]
     assert sorted(by_count[offloaded].tolist()) == sorted(by_count[coldest].tolist())
@@ -131,7 +144,7 @@ def test_a_failed_transaction_restores_rows_host_copies_scales_and_map(layer):
     scales = torch.randn(EXPERTS, 3)
     before = (store.w13.clone(), store.w2.clone(), store.host_w13.clone(), store.host_w2.clone(), scales.clone())
     journal = Journal()
-    moved, freed = _offload_by_routing(store, order, counts.agreed(0), layout.groups_for_ratio(0.5), scales,
+    moved, freed = _offload_by_routing(store, order, counts.agreed()[0], layout.groups_for_ratio(0.5), scales,
                                        journal)
     assert moved > 0 and freed and order.logical_at[0] != list(range(EXPERTS))
     journal.rollback()  # as the KV side's failure would: pages back, then the swaps undone, newest first
@@ -139,3 +152,80 @@ def test_a_failed_transaction_restores_rows_host_copies_scales_and_map(layer):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert order.logical_at[0] == list(range(EXPERTS))
     assert order.device_map[0].tolist() == list(range(EXPERTS)) and store.offloaded_groups == 0
+
+
+
+def _route(residency, stores, weights, sharpness, tokens):
+    """Each layer's own skew: its router's picks on random tokens (a negative sharpness reverses it)."""
+    for index, store in enumerate(stores):
+        x = torch.randn(tokens, REPART_HIDDEN, generator=torch.Generator().manual_seed(index))
+        residency.route(index, skewed_routes(weights[store.layer_id][2] * sharpness, x)[1])
+
+
+def _state(real, stores, kv, pool, rp):
+    """Everything a transaction may touch: pages, sizes, resident rows, host copies, the map."""
+    return (snapshot(real, stores, kv, pool, rp, pool.used_rows), [list(a) for a in rp.residency.order.logical_at],
+            [torch.cat([s.host_w13.flatten(), s.host_w2.flatten()]) for s in stores])
+
+
+def _same(a, b):
+    return a[:2] == b[:2] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+def test_repartition_transactions_reorder_rows_and_roll_back_whole(system):  # noqa: F811
+    """Through the Repartitioner: a failure at any page call of an offload or a restore leaves pages, rows,
+    host copies and map as they were; a completed offload holds each layer's coldest experts and staged
+    outputs through the mapped ids equal the original layer's."""
+    real, backend, weights, _layout, stores, kv, pool, rp, engine = system
+    rows = [ExpertRows([s.w13, s.w2], [s.host_w13, s.host_w2], s.routed_experts) for s in stores]
+    rp.residency = residency = Residency(rows)
+    _route(residency, stores, weights, 3.0, 64)
+    calls = count_calls(backend, lambda: rp.offload(2))  # a first cycle reorders rows at the offload
+    rp.restore(2)
+    swaps = residency.swaps
+    _route(residency, stores, weights, -3.0, 1024)  # the other experts are hot now: the next offload swaps
+    before = _state(real, stores, kv, pool, rp)
+    for k in range(1, calls + 1):
+        backend.arm(k)
+        with pytest.raises(InjectedFault):
+            rp.offload(2)
+        assert _same(_state(real, stores, kv, pool, rp), before), f"offload failed at page call {k}"
+    backend.arm(None)
+    publish = rp._on_pool_resize
+
+    def write_then_refuse(old_rows, new_rows, pool_tokens):  # the lent pages hold KV bytes at the rollback
+        for buffer in kv.k_buffers + kv.v_buffers:
+            buffer[old_rows:new_rows].fill_(7.0)
+        raise InjectedFault("a rank refused the new pool size")
+
+    rp._on_pool_resize = write_then_refuse
+    with pytest.raises(InjectedFault):
+        rp.offload(2)
+    assert _same(_state(real, stores, kv, pool, rp), before)
+    rp._on_pool_resize = publish
+    rp.offload(2)
+    assert residency.swaps > swaps > 0 and residency.coldest
+    assert residency.offloaded_share < residency.offloaded_share_by_index
+    x = torch.randn(16, REPART_HIDDEN, generator=torch.Generator().manual_seed(11))
+    engine.begin_forward()
+    for index, store in enumerate(stores):
+        engine.before_moe(store.layer_id)
+        w13, w2, router = weights[store.layer_id]
+        gates, logical = skewed_routes(router * 3, x)
+        physical = logical.clone()
+        residency.route(index, physical)
+        assert torch.equal(moe_with_ids(x, gates, physical, store.w13, store.w2),
+                           moe_with_ids(x, gates, logical, w13, w2))
+        engine.after_moe(store.layer_id)
+    after_offload, k = _state(real, stores, kv, pool, rp), 1
+    while True:  # fail the restore at page call 1, 2, ... until it has fewer calls than k
+        backend.arm(k)
+        try:
+            rp.restore(2)
+        except InjectedFault:
+            assert _same(_state(real, stores, kv, pool, rp), after_offload), f"restore failed at page call {k}"
+            k += 1
+            continue
+        break
+    backend.arm(None)
+    assert k > 10 and rp.offloaded_groups == 0

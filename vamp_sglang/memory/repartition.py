@@ -31,6 +31,7 @@ from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.journal import Journal, atomic
 from vamp_sglang.memory.kv_buffers import GrowableKVBuffers
 from vamp_sglang.memory.layout import ExpertLayout, LayoutError, kv_pages_per_buffer
+from vamp_sglang.memory.residency import Residency
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.state_buffers import GrowableStateBuffers
 
@@ -65,7 +66,8 @@ class Repartitioner:
     def __init__(self, layout: ExpertLayout, expert_stores: Sequence[ExpertStore], kv_buffers: GrowableKVBuffers,
                  on_pool_resize: Callable[[int, int, int | None], None], *, tail_is_free: Callable[[int, int], bool],
                  staging: StagingEngine | None = None, state: GrowableStateBuffers | None = None,
-                 on_state_resize: Callable[[int, int, bool], None] | None = None) -> None:
+                 on_state_resize: Callable[[int, int, bool], None] | None = None,
+                 residency: Residency | None = None) -> None:
         """`on_pool_resize(old_rows, new_rows, pool_tokens)` publishes the new pool size (`pool_tokens`,
         as the caller passed it to offload/restore: allocator free list and every copy of the size);
         it is the last step of a transaction, and raising from it aborts the remap.
@@ -73,7 +75,8 @@ class Repartitioner:
         `on_state_resize(old_rows, new_rows, rollback)` does the same for the state pool (hybrid models);
         it must refuse a shrink over slots in use. A restore publishes it before unmapping (so a slot in use
         refuses before any page moves); `rollback` True is the undo of that publish when a later step
-        failed, which must not fail on purpose (no fault injection)."""
+        failed, which must not fail on purpose (no fault injection). `residency` (residency by routing)
+        reorders expert rows inside each transaction so the offloaded rows hold the coldest experts."""
         layer_ids = tuple(s.layer_id for s in expert_stores)
         if layer_ids != layout.eligible_layer_ids:
             raise LayoutError(f"expert_stores cover layers {layer_ids}, expected the eligible layers "
@@ -84,6 +87,7 @@ class Repartitioner:
         self.stores = list(expert_stores)
         self.kv = kv_buffers
         self.staging = staging
+        self.residency = residency
         self._on_pool_resize = on_pool_resize
         self._tail_is_free = tail_is_free
         if (state is None) != (on_state_resize is None):
@@ -145,6 +149,8 @@ class Repartitioner:
         start = self._quiesce()
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
+            if self.residency is not None:  # rows swapped while resident; undone after the refill below
+                self.residency.reorder(j, self.layout.boundary_expert(old), self.layout.boundary_expert(old + n_groups))
             # undone last: the pages are back under the experts by then, holding zeroed KV rows or slots
             j.record(lambda: self._refill_from_host(old + n_groups, old))
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
@@ -189,6 +195,9 @@ class Repartitioner:
                 pool += self.state.shrink_to(new_state_rows, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
+            if self.residency is not None:  # the returned rows are resident again: swap at the new boundary
+                boundary = self.layout.boundary_expert(old - n_groups)
+                self.residency.reorder(j, boundary, boundary)
             self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j, old_state - from_state)
             self._on_pool_resize(old_rows, self.kv.row_capacity, pool_tokens)
         self._count_remap(start, n_groups)

@@ -50,13 +50,13 @@ class RoutingCounts:
         row.mul_(self.decay)
         row.index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
 
-    def agreed(self, index: int, group=None) -> torch.Tensor:
-        """Layer `index`'s counts on the host, summed over the ranks of `group` (a torch.distributed
-        process group, or None for this rank alone), so every rank plans the same order."""
-        counts = self._counts[index, :self.experts].clone()
+    def agreed(self, group=None) -> torch.Tensor:
+        """Every layer's counts `[layers, experts]` on the host, summed over the ranks of `group` (a CPU
+        torch.distributed process group, or None for this rank alone), so every rank plans the same order."""
+        counts = self._counts[:, :self.experts].cpu().clone()
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
-        return counts.cpu()
+        return counts
 
 
 class ExpertOrder:
@@ -75,6 +75,11 @@ class ExpertOrder:
         routed = (ids >= 0) & (ids < self.routed)
         mapped = self.device_map[index][ids.clamp(0, self.routed - 1)]
         topk_ids.copy_(torch.where(routed, mapped, ids).to(topk_ids.dtype))
+
+    @property
+    def permuted(self) -> bool:
+        """Whether any layer's rows differ from the identity (ids must then be mapped before every kernel)."""
+        return any(at != list(range(self.routed)) for at in self.logical_at)
 
     def physical_of(self, index: int) -> list[int]:
         """Layer `index`'s logical -> physical map (host side)."""
@@ -152,3 +157,69 @@ def reorder_rows(order: ExpertOrder, index: int, rows: ExpertRows, counts: torch
 
         moved += journal.run(exchange, lambda _, exchange=exchange: exchange())
     return moved
+
+
+class Residency:
+    """Residency by routing for a model's eligible layers: what the MoE path calls per layer and step
+    (`route`), what an offload or restore transaction calls (`reorder`), and the `/vamp/stats` figures.
+    `rows[i]` is eligible layer i's ExpertRows; `group` the CPU process group whose ranks hold the same
+    experts (TP without expert parallelism), None for a rank whose experts are its own."""
+
+    def __init__(self, rows: Sequence[ExpertRows], device: torch.device | str = "cpu", group=None,
+                 halflife_steps: float = HALFLIFE_STEPS) -> None:
+        routed = rows[0].routed
+        self.rows, self.group = list(rows), group
+        self.counts = RoutingCounts(len(rows), routed, device, halflife_steps)
+        self.order = ExpertOrder(len(rows), routed, device)
+        self.without_ids: set[int] = set()  # eligible layers that reached their kernel without top-k ids
+        self.swaps = self.swapped_bytes = 0
+        self.offloaded_share = self.offloaded_share_by_index = 0.0  # at the last reorder
+        self.coldest = True  # whether, at the last reorder, every layer's offloaded rows held its coldest
+
+    def route(self, index: int, topk_ids: torch.Tensor | None) -> None:
+        """Count layer `index`'s logical ids and map them to physical rows in place, before its kernel."""
+        if topk_ids is None:
+            if self.order.permuted:
+                raise RuntimeError(f"eligible MoE layer {index} runs without top-k ids while experts are "
+                                   f"reordered: its kernel would read the wrong rows")
+            self.without_ids.add(index)
+            return
+        self.counts.observe(index, topk_ids)
+        self.order.map_ids(index, topk_ids)
+
+    def reorder(self, journal: Journal, resident_end: int, target_boundary: int) -> int:
+        """Inside a transaction: every layer's rows [target_boundary, routed) to its coldest experts (nothing
+        while some layer has no ids to map). Returns the bytes moved."""
+        if self.without_ids:
+            return 0
+        counts = self.counts.agreed(self.group)
+        moved = swaps = 0
+        for index, rows in enumerate(self.rows):
+            before = len(journal)
+            moved += reorder_rows(self.order, index, rows, counts[index], resident_end, target_boundary, journal)
+            swaps += len(journal) - before
+        self._note(counts, target_boundary)
+        self.swaps += swaps
+        self.swapped_bytes += moved
+        journal.record(lambda: self._undo_totals(swaps, moved))
+        return moved
+
+    def _undo_totals(self, swaps: int, moved: int) -> None:
+        self.swaps -= swaps
+        self.swapped_bytes -= moved
+
+    def _note(self, counts: torch.Tensor, boundary: int) -> None:
+        total = counts.sum().item()
+        held = sum(counts[i, at[boundary:]].sum().item() for i, at in enumerate(self.order.logical_at))
+        self.offloaded_share = held / total if total else 0.0
+        self.offloaded_share_by_index = counts[:, boundary:].sum().item() / total if total else 0.0
+        self.coldest = all(not boundary or not at[boundary:]
+                           or counts[i, at[boundary:]].max() <= counts[i, at[:boundary]].min()
+                           for i, at in enumerate(self.order.logical_at))
+
+    def stats(self) -> dict:
+        """The `/vamp/stats` `residency` figures."""
+        return {"order": "routing", "swaps": self.swaps, "swapped_bytes": self.swapped_bytes,
+                "offloaded_share": round(self.offloaded_share, 4),
+                "offloaded_share_by_index": round(self.offloaded_share_by_index, 4),
+                "offloaded_are_coldest": self.coldest, "layers_without_ids": sorted(self.without_ids)}
