@@ -198,3 +198,22 @@ def test_a_draft_moe_with_a_target_layer_id_stays_resident_and_unstaged(vamp, sp
     assert torch.equal(draft_layer(x, topk), reference)
     assert vamp.experts.engine.stats().bytes_staged == staged, "the draft layer staged target experts"
     assert torch.equal(draft_layer.w13_weight, weights[0]) and torch.equal(draft_layer.w2_weight, weights[1])
+
+
+def test_every_draft_runner_pool_grows_multi_layer_eagle(vamp):  # noqa: F811
+    """Multi-layer EAGLE builds one draft runner, and one pool, per step: each grows with the target's."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    target = _pool(LAYERS)
+    drafts = [_as_draft_runner(lambda step=step: _pool(1, start_layer=step)) for step in range(2)]
+    alloc = TokenToKVPoolAllocator(POOL_TOKENS, dtype=torch.float32, device="cpu", kvcache=target, need_sort=False)
+    memory = em.ExpertMemory(vamp.experts, hooks._process.pool, alloc, publish=dict, quiesce=lambda: None,
+                             draft_pools=hooks._process.draft_pools)
+    vamp.memory = memory
+    memory.offload(2, memory.tokens_for(2))
+    assert [d.size for d in drafts] == [alloc.size] * 2 and alloc.size > POOL_TOKENS
+    assert [s["tokens"] for s in memory.stats()["draft_pools"]] == [alloc.size] * 2
+    memory.restore(2)
+    assert [d.size for d in drafts] == [POOL_TOKENS] * 2
+    for grown in hooks._process.draft_pools:
+        grown.kv.close()
