@@ -24,6 +24,7 @@ ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "por
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
 STAGING = ("auto", "whole", "routed")  # memory/staging_choice.py (issue 12)
+EXPERT_ORDERS = ("index", "routing")  # memory/residency.py: which experts an offload takes (issue 49)
 TREE_CORES = ("auto", "python", "rust")  # integration/cache/radix_backend.py: which SGLang tree core carries VAMP's order
 
 
@@ -53,6 +54,7 @@ class VampConfig:
     controller_key_file: str | None = None  # --nnodes > 1: the deployment's CURVE key pair (mode 0600)
     tpot_slo_ms: float | None = None  # TPOT SLO: no offload projected past it (policy/tpot_guard); None: off
     staging: str = "auto"  # whole-region prefetch (paper IV-D), routed-only copies, or a per-step choice
+    expert_order: str = "index"  # offload the highest-index experts (paper IV-C), or the least routed
     tree_core: str = "auto"  # SGLang's Rust tree core where it can carry VAMP's order (auto), or its Python core
 
     @property
@@ -79,6 +81,7 @@ class VampConfig:
             (0 <= self.controller_port <= 65535, "--vamp-controller-port must be in [0, 65535] (0: dist-init + 7)"),
             (self.staging in STAGING, f"--vamp-staging must be one of {', '.join(STAGING)}"),
             (self.tree_core in TREE_CORES, f"--vamp-tree-core must be one of {', '.join(TREE_CORES)}"),
+            (self.expert_order in EXPERT_ORDERS, f"--vamp-expert-order must be one of {', '.join(EXPERT_ORDERS)}"),
             (self.tpot_slo_ms is None or (math.isfinite(self.tpot_slo_ms) and self.tpot_slo_ms > 0),
              "--vamp-tpot-slo-ms must be a positive finite number of milliseconds"),
         ]
@@ -159,6 +162,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = STAGING
         if field.name == "tree_core":
             kwargs["choices"] = TREE_CORES
+        if field.name == "expert_order":
+            kwargs["choices"] = EXPERT_ORDERS
         group.add_argument(_flag(field.name), **kwargs)
 
 

@@ -75,7 +75,7 @@ class ExpertMemory:
             self.layout, experts.stores, buffer_set(pool, self.draft_pools), self._on_pool_resize,
             tail_is_free=self._tail_is_free,
             staging=experts.engine, state=states.buffers if states else None,
-            on_state_resize=self._on_state_resize if states else None)
+            on_state_resize=self._on_state_resize if states else None, residency=experts.residency)
 
     # ---- the API the decision layer uses ---------------------------------------------------------
 
@@ -213,6 +213,7 @@ class ExpertMemory:
                                   for mode, totals in staging.by_mode.items()},
                         "split_w2_wait": self.experts.engine.split_w2_wait,
                         "missed_w2_waits": self.experts.engine.missed_w2_waits},
+            "residency": self.experts.residency.stats() if self.experts.residency else {"order": "index"},
             **({"draft_pools": draft_stats(self.draft_pools)} if self.draft_pools else {}),
             **({"state_pool": {**self.states.stats(), "groups": rep.state_groups,
                                "max_slots": self.repartitioner.state_rows_at(lay.bound_groups) - 1}}

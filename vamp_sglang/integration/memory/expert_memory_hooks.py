@@ -65,7 +65,7 @@ def _after_model_runner_initialize(result: Any, runner: Any, *args: Any, **kwarg
         raise RuntimeError("vamp: a second target model in one scheduler process is not supported")
     backend = select_backend(config.page_backend, moe_staging.expert_device(runner.model))
     experts = moe_staging.convert_experts(runner.model, backend, config.max_offload_ratio,
-                                           staging_policy=config.staging)
+                                           staging_policy=config.staging, expert_order=config.expert_order)
     _process = _Process(backend, experts)
     lay = experts.layout
     logger.info("vamp: experts paged: %d eligible layers x %d groups of %d experts, bound %d groups, "

@@ -37,6 +37,12 @@ CUDA through SGLang's gather with a device-built copy list (routed_gather.py), w
 and so keeps the graph segments and replays as they are. The break's tensor argument is the capture-time
 top-k buffer, which every replay refills in place.
 
+Residency by routing (issue 49, `--vamp-expert-order routing`, memory/residency.py): the same place, before
+the break, counts the router's logical ids and rewrites them in place as the physical rows that hold those
+experts (fixed-shape device ops on fixed tensors, so captured segments replay the live order), so the
+staging break and the kernel read physical rows; the Repartitioner swaps rows, host copies and per-expert
+tensors inside each offload or restore, so the offloaded rows hold the least-routed experts.
+
 Paper V-B: the gate-up GEMM needs only w13, so where SGLang runs the two GEMMs as separate launches
 (its Triton MoE: two `invoke_fused_moe_kernel` calls in `_fused_moe_kernel_sequence`) the layer waits
 for w13 at `before_moe` and for w2 right before the down GEMM (`invoke_fused_moe_kernel_staged`, a
@@ -56,6 +62,7 @@ import torch
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout
+from vamp_sglang.memory.residency import ExpertRows, Residency
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import StagingBuffers, close_expert_stores
 
@@ -79,6 +86,7 @@ class ModelExperts:
     engine: StagingEngine
     layers: dict[int, Any] = field(default_factory=dict)  # eligible layer_id -> its FusedMoE module
     w2_owners: dict[int, int] = field(default_factory=dict)  # store.w2.data_ptr() -> its layer_id
+    residency: Residency | None = None  # --vamp-expert-order routing: which experts an offload takes
 
     @property
     def offloaded_groups(self) -> int:
@@ -185,7 +193,8 @@ def compute_layout(layers: list[Any], granularity_bytes: int, max_offload_ratio:
 
 
 def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ratio: float,
-                    staging_mode: str = "async", staging_policy: str = "whole") -> ModelExperts:
+                    staging_mode: str = "async", staging_policy: str = "whole",
+                    expert_order: str = "index") -> ModelExperts:
     """Rebuild every eligible layer's w13/w2 over an ExpertStore, in place (`param.data` swap)."""
     layers = find_moe_layers(model)
     if not layers:
@@ -215,8 +224,32 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
     engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
                            staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
                            routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)))
+    residency = None
+    if expert_order == "routing" and layout.bound_groups and stores:
+        rows = [ExpertRows([s.w13, s.w2], [s.host_w13, s.host_w2], s.routed_experts,
+                           per_expert_tensors(m, layout.local_experts)) for s, m in zip(stores, eligible)]
+        residency = Residency(rows, backend.device, group=routing_group(eligible[0]))
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
-                        {s.w2.data_ptr(): s.layer_id for s in stores})
+                        {s.w2.data_ptr(): s.layer_id for s in stores}, residency)
+
+
+def per_expert_tensors(layer: Any, experts: int) -> list[torch.Tensor]:
+    """The layer's per-expert parameters besides w13/w2 (FP8 block scales, biases): resident rows that
+    move with their expert when residency by routing swaps two rows."""
+    return [p.data for name, p in layer.named_parameters(recurse=False)
+            if name not in ("w13_weight", "w2_weight") and p.dim() >= 1 and p.shape[0] == experts]
+
+
+def routing_group(layer: Any) -> Any:
+    """The CPU group whose ranks hold the same experts (tensor parallelism: a slice of every expert), over
+    which routing counts are summed so every rank offloads the same experts; None under expert
+    parallelism (each rank orders its own experts) or on one rank."""
+    if getattr(layer, "moe_ep_size", 1) > 1:
+        return None
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group.cpu_group if group.world_size > 1 else None
 
 
 def keep_moe_on_capture_stream(model: torch.nn.Module, layers: list[Any]) -> None:
@@ -240,6 +273,8 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
     check_capture_stream(layer.layer_id)
     topk_ids = None if keeps_global_expert_ids(layer) else routed_ids(*args, **kwargs)
+    if experts.residency is not None:  # logical ids counted, then mapped to the rows that hold them
+        experts.residency.route(experts.layout.eligible_index(layer.layer_id), topk_ids)
     if topk_ids is None:  # seen at capture (before any served step) or at the first eager forward
         experts.engine.chooser.without_routed_ids(layer.layer_id)
     staging_break()(experts.engine, layer.layer_id, topk_ids)
