@@ -125,7 +125,8 @@ class ExpertRows:
         self.routed = routed
 
     def swap(self, a: int, b: int, boundary: int) -> int:
-        """Exchange the contents of rows a and b with `boundary` the first staged row; returns bytes moved."""
+        """Exchange the contents of rows a and b with `boundary` the first staged row; returns the expert
+        bytes exchanged (both rows' weights, once each, wherever they were written)."""
         moved = 0
         for device, host in zip(self.device, self.host):
             offset = self.routed - host.shape[0]
@@ -135,7 +136,7 @@ class ExpertRows:
                     device[r].copy_(content)
                 if r >= offset:
                     host[r - offset].copy_(content)
-                moved += 2 * content.numel() * content.element_size()
+                moved += content.numel() * content.element_size()
         for tensor in self.resident:
             tensor[[a, b]] = tensor[[b, a]]
         return moved
