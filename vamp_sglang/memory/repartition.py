@@ -147,10 +147,12 @@ class Repartitioner:
         if n_groups == 0:
             return 0
         start = self._quiesce()
+        counts = self.residency.agree() if self.residency is not None else None  # before anything can fail
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
-            if self.residency is not None:  # rows swapped while resident; undone after the refill below
-                self.residency.reorder(j, self.layout.boundary_expert(old), self.layout.boundary_expert(old + n_groups))
+            if counts is not None:  # rows swapped while resident; undone after the refill below
+                self.residency.reorder(j, self.layout.boundary_expert(old), self.layout.boundary_expert(old + n_groups),
+                                       counts)
             # undone last: the pages are back under the experts by then, holding zeroed KV rows or slots
             j.record(lambda: self._refill_from_host(old + n_groups, old))
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
@@ -182,6 +184,7 @@ class Repartitioner:
             return 0
         self.layout.check_offloaded_groups(self._state_groups - from_state)
         start = self._quiesce()
+        counts = self.residency.agree() if self.residency is not None else None  # before anything can fail
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         per_store = n_groups * self.layout.pages_per_group_per_layer
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
@@ -195,9 +198,9 @@ class Repartitioner:
                 pool += self.state.shrink_to(new_state_rows, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
-            if self.residency is not None:  # the returned rows are resident again: swap at the new boundary
+            if counts is not None:  # the returned rows are resident again: swap at the new boundary
                 boundary = self.layout.boundary_expert(old - n_groups)
-                self.residency.reorder(j, boundary, boundary)
+                self.residency.reorder(j, boundary, boundary, counts)
             self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j, old_state - from_state)
             self._on_pool_resize(old_rows, self.kv.row_capacity, pool_tokens)
         self._count_remap(start, n_groups)

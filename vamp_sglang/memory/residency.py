@@ -188,12 +188,18 @@ class Residency:
         self.counts.observe(index, topk_ids)
         self.order.map_ids(index, topk_ids)
 
-    def reorder(self, journal: Journal, resident_end: int, target_boundary: int) -> int:
-        """Inside a transaction: every layer's rows [target_boundary, routed) to its coldest experts (nothing
-        while some layer has no ids to map). Returns the bytes moved."""
-        if self.without_ids:
+    def agree(self) -> torch.Tensor | None:
+        """The counts every rank of `group` plans from (their sum), or None while some layer has no ids to
+        map. A collective: every rank calls it at the same point of a transaction, before any step that may
+        fail on one rank alone (a rank that left the transaction would leave the others waiting here)."""
+        return None if self.without_ids else self.counts.agreed(self.group)
+
+    def reorder(self, journal: Journal, resident_end: int, target_boundary: int,
+                counts: torch.Tensor | None) -> int:
+        """Inside a transaction: every layer's rows [target_boundary, routed) to its coldest experts by
+        `counts` (from `agree`; None: nothing moves). Returns the bytes moved."""
+        if counts is None:
             return 0
-        counts = self.counts.agreed(self.group)
         moved = swaps = 0
         for index, rows in enumerate(self.rows):
             before = len(journal)
