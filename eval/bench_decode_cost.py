@@ -8,7 +8,8 @@ and mode it reports the bytes staged per step on one GPU, the token-expert pairs
 the weight bytes they read, and the modelled TPOT against the no-offload step.
 
 Modes: `whole` (paper IV-D), `routed` (issue 12), `routed+order` (the offloaded set is the coldest experts
-by decayed routing frequency, simulated here: the server does not do this yet), `routed+cache` (rows the
+by decayed routing frequency, reordered every 64 steps; the server reorders at its offloads and restores,
+`--vamp-expert-order routing`), `routed+cache` (rows the
 aliased staging slots still hold from this layer's last step are not copied again), `host` (cold experts'
 tokens computed on the host; not built in the server), `auto` (per step the cheapest of whole, routed and
 host, as an oracle would pick).

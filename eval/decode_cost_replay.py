@@ -6,7 +6,9 @@ and the boundary b: physical experts [b, R) are offloaded. A step's routed offlo
 `routed_offloaded_runs` (memory/routed.py) copies; the replay counts them vectorised over layers and checks
 the count against that function on its first steps (`check_steps`).
 
-Residency by routing (`routed+order`): the server does not do this yet. Here each eligible layer counts the
+Residency by routing (`routed+order`; the server's `--vamp-expert-order routing`, memory/residency.py,
+reorders only inside its offload and restore transactions, with a plain "hotter than" swap rule). Here each
+eligible layer counts the
 top-k ids it routes (exponentially decayed, half-life `halflife_steps`), and every `reorder_steps` steps (a
 stand-in for the offload/restore transactions at which the server would change the order) a logical ->
 physical permutation puts the coldest experts at [b, R) and the others below b, each side in id order; the
