@@ -3,6 +3,12 @@ and the row swaps inside an offload transaction on real host pages: the offloade
 experts, MoE outputs are bit-identical to the unpermuted layer, and a rollback restores rows, host copies,
 resident per-expert tensors and the map together. No SGLang."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,3 +235,35 @@ def test_repartition_transactions_reorder_rows_and_roll_back_whole(system):  # n
         break
     backend.arm(None)
     assert k > 10 and rp.offloaded_groups == 0
+
+
+AGREE_MAIN = """
+import json, sys
+import torch, torch.distributed as dist
+from vamp_sglang.memory.residency import ExpertOrder, ExpertRows, Residency, plan_swaps
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rows = [ExpertRows([torch.zeros(8, 1)], [torch.zeros(4, 1)], 8)]
+residency = Residency(rows, group=dist.group.WORLD)
+residency.route(0, torch.tensor([[7, 6]] * 3 if rank else [[0, 1], [0, 7]]))  # DP ranks route other tokens
+counts = residency.agree()
+print(json.dumps([counts.tolist(), plan_swaps(counts[0].tolist(), list(range(8)), 4)]))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_agree_on_summed_counts_and_so_on_the_swaps():
+    """Two fresh interpreters on a loopback gloo group (as DP attention ranks, which route different tokens
+    through the same experts): both plan from the sum of their counts, so both offload the same experts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", AGREE_MAIN, str(r), str(port)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    answers = [(p.communicate(timeout=120), p.returncode) for p in ranks]
+    assert [code for _, code in answers] == [0, 0], [err[-2000:] for (_, err), _ in answers]
+    (counts, pairs), other = (json.loads(out.strip().splitlines()[-1]) for (out, _), _ in answers)
+    assert [counts, pairs] == other
+    assert counts == [[2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0]]
+    assert pairs == [[2, 7], [3, 6]]  # rows 7 and 6 (counts 4, 3) trade with the unrouted resident rows 2, 3
