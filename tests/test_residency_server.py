@@ -14,7 +14,7 @@ from eval.servers import Server, ServerConfig, ServerSetup, get_json, post_json
 from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_moe.routing import trace_texts
 
-pytestmark = [pytest.mark.server]
+pytestmark = [pytest.mark.server, pytest.mark.long]  # make test-long (two servers and a fitted checkpoint)
 
 DEEPSEEK = DATA_DIR / "deepseek-v2-lite-chat-int8_hf_puffin2000+webglm100_prefill.npz"
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe-routed"
