@@ -8,6 +8,8 @@ ratio 0 on a pool so large that nothing is evicted (the reference outputs).
   gaps are printed), and no rank misses a round (there is none to miss).
 - Phase 2: sessions go to DP rank 1. Its decisions see, through the MLP-sync column, that rank 0 already
   offloaded a group, so offloading one here lengthens no step: C_e is 0 in its logged snapshots.
+- Phase 3: the load stops. Each DP rank, idle for IDLE_RESTORE_S, restores the group it offloaded, on its own
+  (no round), and its pool returns to its start-up size.
 - Both DP ranks' decision logs, `/vamp/stats`' `dp_ranks` and the `dp_rank`-labelled `vamp:*` series.
 - Greedy outputs identical to the ratio-0 reference.
 """
@@ -30,6 +32,7 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-qwen3-moe"
 DP = ("--dp-size", "2", "--enable-dp-attention")
 SESSIONS, TURNS, FIRST_TOKENS, GROWTH_TOKENS, NEW_TOKENS = 4, 5, 256, 96, 16
 LONG_DECODE_TOKENS = 160
+RESTORE_WAIT_S = 120  # phase 3: IDLE_RESTORE_S (10 s) of idleness, then one restore per DP rank
 
 
 def _session(url, seed, turns, dp_rank):
@@ -88,7 +91,18 @@ def _serve(setup, name, flags):
         phase1["pool_metric"] = {r: _metric(url, "vamp:kv_pool_tokens", r) for r in (0, 1)}
         phase2 = {"answers": _sessions(url, 100, 3, 1)}
         phase2["stats"] = _by_dp_rank(url)
-        return {"phase1": phase1, "phase2": phase2}
+        return {"phase1": phase1, "phase2": phase2, "phase3": _restored(url)}
+
+
+def _restored(url):
+    """Phase 3: no more requests; poll until no DP rank holds an offloaded group (or RESTORE_WAIT_S)."""
+    start = time.monotonic()
+    while True:
+        stats = _by_dp_rank(url)
+        if all(s["experts"].get("offloaded_groups", 0) == 0 for s in stats.values()) \
+                or time.monotonic() - start > RESTORE_WAIT_S:
+            return {"stats": stats, "waited_s": time.monotonic() - start}
+        time.sleep(2)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +113,9 @@ def runs(tmp_path_factory):
     small = ServerSetup(str(model), max_total_tokens=1024, tp_size=2, log_dir=str(logs))
     large = ServerSetup(str(model), max_total_tokens=16384, tp_size=2, log_dir=str(logs))
     return {
-        "vamp": _serve(small, "dp2-vamp20", ("--vamp-max-offload-ratio", "0.2", "--vamp-restore-after-steps", "0",
-                                             "--vamp-decision-log", str(log))),
+        # calm-step restores never come within the phases (10^6 steps); idle restores do, in phase 3 only
+        "vamp": _serve(small, "dp2-vamp20", ("--vamp-max-offload-ratio", "0.2",
+                                             "--vamp-restore-after-steps", "1000000", "--vamp-decision-log", str(log))),
         "reference": _serve(large, "dp2-ratio0", ("--vamp-max-offload-ratio", "0")),
         "logs": [[json.loads(line) for line in path.read_text().splitlines()] for path in (log, Path(f"{log}.dp1"))],
     }
@@ -133,13 +148,29 @@ def test_each_dp_rank_writes_its_own_decision_log_and_rank_1_prices_rank_0s_offl
     rank0_log, rank1_log = runs["logs"]
     offloads0 = [e for e in rank0_log if e.get("plan", {}).get("action") in ("offload", "combined")]
     assert offloads0 and all(e["snapshot"]["dp_step"]["peer_offloaded_groups"] == 0 for e in offloads0)
-    assert all("restored_groups" not in e for e in rank0_log + rank1_log)
     # phase 2: rank 1's shortfalls see rank 0's offloaded group in the MLP-sync column, so it is free
     assert rank1_log, "rank 1 had shortfalls in phase 2"
     peer_ahead = [e for e in rank1_log if "snapshot" in e and e["snapshot"]["dp_step"]["peer_offloaded_groups"] >= 1
                   and e["snapshot"]["dp_step"]["offloaded_groups"] == 0 and e["snapshot"]["offload"]["headroom_groups"]]
     assert peer_ahead and all(e["plan"]["costs"]["offload"] == 0.0 for e in peer_ahead)
     assert runs["vamp"]["phase2"]["stats"][1]["experts"]["offloaded_groups"] >= 1
+
+
+def test_once_the_load_stops_each_dp_rank_restores_its_own_group(runs):
+    """Both ranks offloaded (rank 0 in phase 1, rank 1 in phase 2); idle, each restores on its own, after its
+    last offload, and both pools are back at 1,024 tokens."""
+    phase3 = runs["vamp"]["phase3"]
+    print(f"\nboth DP ranks restored {phase3['waited_s']:.1f} s after the last request")
+    for dp_rank, log in enumerate(runs["logs"]):
+        stats = phase3["stats"][dp_rank]
+        assert stats["experts"]["offloaded_groups"] == 0 and stats["decisions"]["restore"] >= 1
+        assert stats["kv_pool"]["tokens"] == stats["kv_pool"]["baseline_tokens"] == 1024
+        restores = [i for i, e in enumerate(log) if e.get("site") == "restore"]
+        offloads = [i for i, e in enumerate(log) if e.get("plan", {}).get("action") in ("offload", "combined")]
+        assert restores and offloads and min(restores) > max(offloads), f"DP rank {dp_rank}: restored mid-load"
+        assert all(log[i]["restore_state"]["idle"] for i in restores)
+        assert sum(log[i]["outcome"]["restored_groups"] for i in restores) == max(
+            runs["vamp"][phase]["stats"][dp_rank]["experts"]["offloaded_groups"] for phase in ("phase1", "phase2"))
 
 
 def test_greedy_outputs_identical_to_ratio_0_on_a_pool_that_evicts_nothing(runs):
