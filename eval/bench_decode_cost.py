@@ -11,7 +11,7 @@ Modes: `whole` (paper IV-D), `routed` (issue 12), `routed+order` (the offloaded 
 by decayed routing frequency, reordered every 64 steps; the server reorders at its offloads and restores,
 `--vamp-expert-order routing`), `routed+cache` (rows the
 aliased staging slots still hold from this layer's last step are not copied again), `host` (cold experts'
-tokens computed on the host; not built in the server), `auto` (per step the cheapest of whole, routed and
+tokens computed on the host; the server's `--vamp-staging host` on CPU only), `auto` (per step the cheapest of whole, routed and
 host, as an oracle would pick).
 
 Validation: Qwen3-Next-80B, TP 2, VAMP-15, `h100-pcie`, whole staging, at the paper's no-offload TPOT of

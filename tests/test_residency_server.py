@@ -31,14 +31,20 @@ def _serve(setup, order, prompts):
         return outputs, get_json(f"{server.url}/vamp/stats")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def routed_model_setup(tmp_path_factory, requests):
+    """The fitted tiny model's server setup and `requests` prompts of the trace's held-out texts."""
     if not DEEPSEEK.is_file():
         pytest.skip(f"routing trace {DEEPSEEK} not present")
     model = make_checkpoint(MODEL, routing_from=DEEPSEEK, experts=64, top_k=6)
     texts = trace_texts(DEEPSEEK, 1)
-    prompts = [" ".join(texts[i * TEXTS_PER_PROMPT:(i + 1) * TEXTS_PER_PROMPT]) for i in range(REQUESTS)]
+    prompts = [" ".join(texts[i * TEXTS_PER_PROMPT:(i + 1) * TEXTS_PER_PROMPT]) for i in range(requests)]
     setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS, log_dir=str(tmp_path_factory.mktemp("logs")))
+    return setup, prompts
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    setup, prompts = routed_model_setup(tmp_path_factory, REQUESTS)
     return {order: _serve(setup, order, prompts) for order in ("index", "routing")}
 
 

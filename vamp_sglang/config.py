@@ -23,7 +23,7 @@ ENV_CONTROLLER_TCP = "VAMP_SGLANG_CONTROLLER_TCP"  # --nnodes > 1: {"host", "por
 
 POLICIES = ("cost", "evict-first", "offload-first")
 PAGE_BACKENDS = ("auto", "cuda", "host")
-STAGING = ("auto", "whole", "routed")  # memory/staging_choice.py (issue 12)
+STAGING = ("auto", "whole", "routed", "host")  # memory/staging_choice.py (issue 12)
 EXPERT_ORDERS = ("index", "routing")  # memory/residency.py: which experts an offload takes (issue 49)
 TREE_CORES = ("auto", "python", "rust")  # integration/cache/radix_backend.py: which SGLang tree core carries VAMP's order
 

@@ -126,6 +126,9 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     device = sg.device or "cuda"
     if vamp.page_backend == "cuda" and device != "cuda":
         raise ConfigError(f"--vamp-page-backend cuda needs --device cuda (got --device {device})")
+    if vamp.staging == "host" and device == "cuda":  # integration/staging/host_experts.py
+        raise ConfigError("--vamp-staging host is built for --device cpu so far (on a GPU its host half needs "
+                          "an eager graph break): use auto, whole or routed")
     if vamp.page_backend == "host" and device == "cuda":
         raise ConfigError("--vamp-page-backend host is for --device cpu; use cuda or auto on a GPU")
     if sg.radix_eviction_policy == "vamp" and sg.radix_cache_backend != "vamp":

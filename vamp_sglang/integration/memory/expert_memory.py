@@ -214,6 +214,7 @@ class ExpertMemory:
                         "split_w2_wait": self.experts.engine.split_w2_wait,
                         "missed_w2_waits": self.experts.engine.missed_w2_waits},
             "residency": self.experts.residency.stats() if self.experts.residency else {"order": "index"},
+            **({"host_experts": self.experts.host.as_dict()} if self.experts.host is not None else {}),
             **({"draft_pools": draft_stats(self.draft_pools)} if self.draft_pools else {}),
             **({"state_pool": {**self.states.stats(), "groups": rep.state_groups,
                                "max_slots": self.repartitioner.state_rows_at(lay.bound_groups) - 1}}

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from vamp_sglang.integration.staging.host_experts import HostExpertStats, host_refusal, run_moe_core_host
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout
@@ -87,6 +88,7 @@ class ModelExperts:
     layers: dict[int, Any] = field(default_factory=dict)  # eligible layer_id -> its FusedMoE module
     w2_owners: dict[int, int] = field(default_factory=dict)  # store.w2.data_ptr() -> its layer_id
     residency: Residency | None = None  # --vamp-expert-order routing: which experts an offload takes
+    host: HostExpertStats | None = None  # --vamp-staging host: cold experts computed from the host copies
 
     @property
     def offloaded_groups(self) -> int:
@@ -216,13 +218,17 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
             torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
     if layout.bound_groups:  # the eligible layers get staging breaks
         keep_moe_on_capture_stream(model, eligible)
+    host = HostExpertStats() if staging_policy == "host" else None
+    for layer in eligible if host is not None else ():
+        if (reason := host_refusal(layer)) is not None:
+            raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host cannot compute {reason}")
     copier = None
     if backend.device.type == "cuda" and staging_policy != "whole" and stores:
         from vamp_sglang.integration.staging.routed_gather import GatherCopier
 
         copier = GatherCopier(stores)
     engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
-                           staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
+                           staging="routed" if host is not None else staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
                            routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)))
     residency = None
     if expert_order == "routing" and layout.bound_groups and stores:
@@ -230,7 +236,7 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
                            per_expert_tensors(m, layout.local_experts)) for s, m in zip(stores, eligible)]
         residency = Residency(rows, backend.device, group=routing_group(eligible[0]))
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
-                        {s.w2.data_ptr(): s.layer_id for s in stores}, residency)
+                        {s.w2.data_ptr(): s.layer_id for s in stores}, residency, host)
 
 
 def per_expert_tensors(layer: Any, experts: int) -> list[torch.Tensor]:
@@ -273,8 +279,12 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
         return original(layer, *args, **kwargs)  # resident first layer, another model's layer, no bound
     check_capture_stream(layer.layer_id)
     topk_ids = None if keeps_global_expert_ids(layer) else routed_ids(*args, **kwargs)
+    index = experts.layout.eligible_index(layer.layer_id)
     if experts.residency is not None:  # logical ids counted, then mapped to the rows that hold them
-        experts.residency.route(experts.layout.eligible_index(layer.layer_id), topk_ids)
+        experts.residency.route(index, topk_ids)
+    if experts.host is not None and topk_ids is not None:  # no staging: the host half instead
+        return run_moe_core_host(original, layer, experts.stores[index], experts.host, index == 0,
+                                 kwargs.get("dispatch_output", args[0] if args else None))
     if topk_ids is None:  # seen at capture (before any served step) or at the first eager forward
         experts.engine.chooser.without_routed_ids(layer.layer_id)
     staging_break()(experts.engine, layer.layer_id, topk_ids)
