@@ -25,6 +25,8 @@ REFUSED = [  # (flags, what the refusal names)
     (["--init-expert-location", "/tmp/expert_location.json"], "--init-expert-location"),
     (["--elastic-ep-backend", "mooncake"], "--elastic-ep-backend mooncake"),
     (["--enable-return-routed-experts"], "--enable-return-routed-experts"),
+    (["--enable-lora"], "--enable-lora"),
+    (["--lora-paths", "/adapters/a"], "--lora-paths"),
 ]
 
 
@@ -66,6 +68,7 @@ def test_the_defaults_spelled_out_are_served(flags):
 @pytest.mark.parametrize("text,named", [
     ("moe-a2a-backend: deepep\n", "--moe-a2a-backend deepep"),
     ("enable-return-routed-experts: true\n", "--enable-return-routed-experts"),
+    ("enable-lora: true\n", "--enable-lora"),
 ])
 def test_the_same_set_in_a_config_file_is_refused(tmp_path, text, named):
     path = tmp_path / "server.yaml"

@@ -29,6 +29,8 @@ import argparse
 _SUFFIX = "is not supported with --vamp-max-offload-ratio > 0"
 _EP = "SGLang then sets ep_size = tp_size itself: expert parallelism, which VAMP's paging does not serve"
 _PLACEMENT = "it moves or replicates experts between ranks, while VAMP lays out the offloaded experts once"
+_LORA = ("LoRA's MoE wrapper runs the experts outside VAMP's staging (lora/layers.py:1095-1106, 1260-1307), "
+         "so an offloaded expert would be read from rows lent to the KV pool")
 _ROUTED_CAPTURE = ("its routed-experts host cache is sized to the start-up KV pool and indexed by KV "
                    "location, so the first token in a grown row would raise IndexError in the scheduler")
 
@@ -41,8 +43,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-expert-location", default="trivial")
     parser.add_argument("--ep-num-redundant-experts", type=int, default=0)
     for flag in ("--enable-waterfill", "--enable-prefill-cp", "--enable-eplb",
-                 "--enable-return-routed-experts"):
+                 "--enable-return-routed-experts", "--enable-lora"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--lora-paths", nargs="*", default=None)
 
 
 def refused(sg: argparse.Namespace) -> str | None:
@@ -60,5 +63,7 @@ def refused(sg: argparse.Namespace) -> str | None:
         (f"--init-expert-location {location}", location != "trivial", _PLACEMENT),
         (f"--elastic-ep-backend {elastic}", elastic not in (None, "none"), _PLACEMENT),
         ("--enable-return-routed-experts", sg.enable_return_routed_experts, _ROUTED_CAPTURE),
+        ("--enable-lora", sg.enable_lora, _LORA),
+        ("--lora-paths", sg.lora_paths is not None, f"it turns on --enable-lora: {_LORA}"),
     ]
     return next((f"{flag} {_SUFFIX} ({why})" for flag, on, why in named if on), None)
