@@ -75,3 +75,15 @@ def test_an_ep_degree_that_does_not_divide_the_experts_is_refused_naming_ep(tmp_
     base = ["--model", str(tmp_path), "--gpu-mem-gib", "80", "--tp", "16"]
     assert "--ep 16: ep_size 16 does not divide the 8 routed experts" in _refused([*base, "--ep", "16"], capsys)
     assert _run([*base, "--ep", "8", "--json"], capsys)["geometry"]["local_experts"] == 1
+
+
+def test_dp_attention_with_ep_splits_kv_heads_over_attention_tp_without_rechecking_the_experts(capsys):
+    """--tp 8 --dp 2 --ep 8 on Qwen3-30B-A3B-FP8: the experts split over tp / ep = 1 rank (768 rows, whole),
+    which SGLang accepts; the KV heads split over attention-TP 4. Reading the KV heads from the geometry at
+    tp 4 without the ep must not re-run the expert split check (768 / 4 = 192 rows, not a 128-row FP8 block)."""
+    qwen = ["--model", "qwen3-30b-a3b-fp8", "--gpu-mem-gib", "80"]
+    dp_ep = _run([*qwen, "--tp", "8", "--dp", "2", "--ep", "8", "--json"], capsys)
+    dp = geometry_from_config(BUILTIN["qwen3-30b-a3b-fp8"], 4, "bfloat16", 4)
+    assert dp_ep["geometry"]["moe_intermediate_per_rank"] == 768
+    assert dp_ep["geometry"]["kv_bytes_per_token"] == dp.kv_bytes_per_token
+    assert dp_ep["baseline"]["deployment_tokens"] == 2 * dp_ep["baseline"]["kv_pool_tokens"]  # 2 DP ranks

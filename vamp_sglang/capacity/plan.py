@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vamp_sglang.capacity.weights import dense_weight_bytes
-from vamp_sglang.memory.geometry import GeometryError, ModelGeometry, geometry_from_config
+from vamp_sglang.memory.geometry import GeometryError, ModelGeometry, geometry_from_config, kv_heads_per_rank
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes, pages_for_rows
 
 GIB = 1 << 30
@@ -125,8 +125,7 @@ class CapacityModel:
                 raise CapacityError(f"--ep {d.ep}: {exc}") from None
             raise
         if d.dp > 1 and not geo.mla_latent_dim:  # KV heads split over attention-TP only
-            geo = dataclasses.replace(geo, kv_heads_per_rank=geometry_from_config(
-                config, d.attn_tp, d.dtype).kv_heads_per_rank)
+            geo = dataclasses.replace(geo, kv_heads_per_rank=kv_heads_per_rank(config, d.attn_tp))
         expert = geo.expert_bytes_per_layer * len(geo.moe_layer_ids)
         dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp, d.ep)
         kv_token = geo.kv_bytes_per_token

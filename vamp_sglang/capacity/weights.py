@@ -27,6 +27,7 @@ from vamp_sglang.memory.geometry import (
     DTYPE_BYTES,
     config_int,
     geometry_from_config,
+    kv_heads_per_rank,
     weight_quant_from_config,
 )
 
@@ -42,7 +43,6 @@ def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn
     quant = weight_quant_from_config(config)
     element = DTYPE_BYTES[dtype]
     hidden, tp, attn_tp = geo.hidden_size, tp_size, attn_tp_size or tp_size
-    attn_geo = geo if attn_tp == tp else geometry_from_config(config, attn_tp, dtype)
 
     def split_over(parts: int):
         def linear(module: str, rows: int, cols: int, split: str = "column") -> int:
@@ -63,7 +63,7 @@ def dense_weight_bytes(config: Mapping[str, Any], tp_size: int, dtype: str, attn
     else:
         heads = config_int(config, "num_attention_heads")
         q_gate = 2 if config.get("model_type") == "qwen3_next" else 1  # Qwen3-Next gates attention output by q
-        kv_rows = attn_geo.kv_heads_per_rank * geo.head_dim * attn_tp  # k (and v) rows before the split
+        kv_rows = kv_heads_per_rank(config, attn_tp) * geo.head_dim * attn_tp  # k (and v) rows before the split
         total += len(geo.kv_layer_ids) * (
             attn_linear("self_attn.q_proj", heads * geo.head_dim * q_gate, hidden)
             + attn_linear("self_attn.k_proj", kv_rows, hidden) + attn_linear("self_attn.v_proj", kv_rows, hidden)

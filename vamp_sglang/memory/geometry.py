@@ -209,13 +209,22 @@ def geometry_from_config(config: Mapping[str, Any], tp_size: int, dtype: str, ep
         kv_heads, head_dim = 1, latent
     else:
         latent = 0
-        kv_heads = max(1, config_int(config, "num_key_value_heads") // tp_size)
+        kv_heads = kv_heads_per_rank(config, tp_size)
         head_dim = int(config.get("head_dim") or hidden // config_int(config, "num_attention_heads"))
     return ModelGeometry(
         num_layers=layers, moe_layer_ids=moe_ids, kv_layer_ids=_kv_layers(config, layers),
         local_experts=experts // ep_size, hidden_size=hidden, moe_intermediate_per_rank=inter // moe_tp,
         kv_heads_per_rank=kv_heads, head_dim=head_dim, dtype_bytes=DTYPE_BYTES[dtype], tp_size=tp_size,
         expert_quant=expert_quant, mla_latent_dim=latent, ep_size=ep_size)
+
+
+def kv_heads_per_rank(config: Mapping[str, Any], attn_tp_size: int) -> int:
+    """KV heads one attention-TP rank holds (replicated when there are fewer heads than ranks). DP attention
+    splits them over attention-TP (tp / dp) while the experts keep the tp / ep split, so the planner asks for
+    the heads alone, without the expert split checks of `geometry_from_config`."""
+    if config.get("kv_lora_rank"):
+        return 1  # MLA: one latent row per token and layer, whole on every rank
+    return max(1, config_int(config, "num_key_value_heads") // attn_tp_size)
 
 
 def _qwen_moe_layers(config: Mapping[str, Any], layers: int) -> tuple[int, ...]:
