@@ -8,6 +8,10 @@ without sgl-kernel's AMX build they fail ("0 active drivers"):
 - the shared-expert gate of Qwen2/Qwen3-Next MoE (`fused_gate_sigmoid_mul[_add]`, bound by name in
   models/qwen2_moe.py): out = sigmoid(hidden @ gate_weight) * shared_output (added in place to the
   routed output for `_add`).
+- MiniMax-M2's QK norm (`MiniMaxM2QKRMSNorm`, models/minimax_m2.py:456-471): off Intel AMX and fused
+  CUDA all-reduce its only path is two Triton kernels (`rms_sumsq_serial` asserts CUDA tensors). We run
+  SGLang's own torch `MiniMaxM2RMSNormTP.forward` on q and on k, the same math (each normalised by the
+  RMS of its whole vector, the variance all-reduced over attention TP ranks).
 And `Qwen3GatedDeltaNet.__init__` puts its norm weight on `torch.get_device_module().current_device()`,
 the current accelerator's device: with this CUDA build of torch that is CUDA even without a GPU, and
 fails. While it builds, the device module with no device named is torch.cpu, as on a CPU-only torch.
@@ -61,6 +65,11 @@ def gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden
     final_hidden_states.add_(_shared_gate(hidden_states, gate_weight) * shared_output)
 
 
+def qk_norm_in_torch(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`MiniMaxM2QKRMSNorm._forward_naive`: q and k each through its `MiniMaxM2RMSNormTP` (torch)."""
+    return self._q_norm(q), self._k_norm(k)
+
+
 @contextlib.contextmanager
 def _cpu_as_default_device_module():
     original = torch.get_device_module
@@ -90,4 +99,6 @@ HOOKS = [
          "CPU mode: shared-expert sigmoid gate (Triton on every device but NPU/AMX), in torch"),
     Hook(f"{_QWEN2_MOE}.fused_gate_sigmoid_mul", "replace", gate_sigmoid_mul,
          "CPU mode: the out-of-place variant of the same gate, in torch"),
+    Hook("sglang.srt.models.minimax_m2.MiniMaxM2QKRMSNorm._forward_naive", "replace", qk_norm_in_torch,
+         "CPU mode: MiniMax-M2's whole-vector QK norm through SGLang's torch RMSNormTP (its naive path is Triton)"),
 ]

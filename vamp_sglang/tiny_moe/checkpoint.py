@@ -16,6 +16,7 @@ from vamp_sglang.tiny_moe import fp8
 from vamp_sglang.tiny_moe.common import TinyMoeSpec
 from vamp_sglang.tiny_moe.deepseek import DeepseekV2Spec, DeepseekV3Spec
 from vamp_sglang.tiny_moe.glm4_moe import Glm4MoeSpec
+from vamp_sglang.tiny_moe.minimax_m2 import MiniMaxM2Spec
 from vamp_sglang.tiny_moe.mixtral import MixtralSpec
 from vamp_sglang.tiny_moe.qwen3_5_moe import Qwen3_5MoeSpec
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
@@ -26,7 +27,7 @@ from vamp_sglang.tiny_moe.tokenizer import train_tokenizer
 FAMILIES: dict[str, type[TinyMoeSpec]] = {family.arch: family for family in (Qwen3MoeSpec, MixtralSpec,
                                                                              Qwen3NextSpec, DeepseekV3Spec,
                                                                              DeepseekV2Spec, Glm4MoeSpec,
-                                                                             Qwen3_5MoeSpec)}
+                                                                             Qwen3_5MoeSpec, MiniMaxM2Spec)}
 ARCHS = tuple(FAMILIES)
 DEFAULT_ARCH = "qwen3_moe"
 MANIFEST = "vamp_tiny_moe.json"
