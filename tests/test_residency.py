@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from vamp_sglang.memory.residency import (
 from vamp_sglang.memory.staging import StagingEngine
 from vamp_sglang.memory.staging_slots import build_expert_stores
 
+ROOT = Path(__file__).resolve().parents[1]
 EXPERTS, HIDDEN, INTER, TOP_K, TOKENS = 24, 128, 64, 2, 32  # w13 64 KiB, w2 32 KiB: a group is 2 experts
 
 
@@ -101,7 +103,7 @@ def _offload_by_routing(store, order, counts, groups, scales, journal):
     """The transaction: swap rows while they are resident, then let the pages go."""
     rows = ExpertRows([store.w13, store.w2], [store.host_w13, store.host_w2], store.routed_experts, [scales])
     target = store.layout.boundary_expert(store.offloaded_groups + groups)
-    moved = reorder_rows(order, 0, rows, counts, store.boundary_expert, target, journal)
+    moved, _pairs = reorder_rows(order, 0, rows, counts, store.boundary_expert, target, journal)
     return moved, store.offload_tail_pages(groups, journal)
 
 
@@ -267,3 +269,61 @@ def test_ranks_agree_on_summed_counts_and_so_on_the_swaps():
     assert [counts, pairs] == other
     assert counts == [[2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0]]
     assert pairs == [[2, 7], [3, 6]]  # rows 7 and 6 (counts 4, 3) trade with the unrouted resident rows 2, 3
+
+
+UNDO_MAIN = """
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from test_repartition import InjectedFault, system
+from test_residency import _route
+from vamp_sglang.memory.residency import ExpertRows, Residency
+rank, port, done = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=5))
+real, backend, weights, _layout, stores, kv, pool, rp, engine = next(system.__wrapped__())
+rows = [ExpertRows([s.w13, s.w2], [s.host_w13, s.host_w2], s.routed_experts) for s in stores]
+rp.residency = residency = Residency(rows, group=dist.group.WORLD)
+_route(residency, stores, weights, 3.0, 64 if rank else 32)
+rp.offload(2)  # a first round both ranks commit
+_route(residency, stores, weights, -3.0, 4096)  # other experts hot now: the next restore swaps rows
+before = ([list(at) for at in residency.order.logical_at], [s.expert_checksums() for s in stores])
+if rank:  # rank 1 refuses the round after the counts were summed
+    rp._on_pool_resize = lambda *_: (_ for _ in ()).throw(InjectedFault("rank 1 refuses"))
+try:
+    rp.restore(1)
+except InjectedFault:
+    for _ in range(600):  # no collective: rank 0 must undo on its own
+        if os.path.exists(done):
+            break
+        time.sleep(0.05)
+else:
+    try:
+        start, swaps = time.perf_counter(), residency.swaps
+        with rp.undoing():  # what ExpertMemory.return_to runs: the round's transaction undone
+            rp.offload(1)
+        after = ([list(at) for at in residency.order.logical_at], [s.expert_checksums() for s in stores])
+        print(json.dumps([after == before, residency.order.logical_at != [list(range(len(before[0][0])))] * 2,
+                          swaps, residency.swaps, time.perf_counter() - start]))
+    finally:
+        open(done, "w").close()
+"""
+
+
+def test_a_rank_undoes_a_refused_round_without_a_collective(tmp_path):
+    """Two ranks commit an offload, then rank 1 refuses a restore after both summed their counts: rank 0,
+    which applied it, undoes it alone (ExpertMemory.return_to's transactions) without entering the counts'
+    collective, which rank 1 never enters again, and ends with the rows and map it had before the round."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", UNDO_MAIN, str(r), str(port), str(tmp_path / "done")],
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}:{ROOT}/tests"})
+             for r in range(2)]
+    answers = [(p.communicate(timeout=90), p.returncode) for p in ranks]
+    assert [code for _, code in answers] == [0, 0], [err[-2000:] for (_, err), _ in answers]
+    rank0 = answers[0][0][0].strip().splitlines()[-1]
+    same, permuted, swaps_applied, swaps_after, seconds = json.loads(rank0)
+    assert same and permuted and seconds < 5  # the round's swaps replayed inverted, in place, no wait
+    assert swaps_applied > swaps_after  # the undone round's swaps no longer counted

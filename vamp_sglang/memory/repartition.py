@@ -23,8 +23,11 @@ restore returns the KV pool's groups first, then the state pool's (pages are int
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from vamp_sglang.memory.backend import PageHandle
 from vamp_sglang.memory.experts import ExpertStore
@@ -97,6 +100,7 @@ class Repartitioner:
         self._state_base_rows = state.rows if state is not None else 0
         self._spare: list[PageHandle] = []
         self.remap_s, self.remapped_bytes = 0.0, 0
+        self._undoing = False  # inside `undoing()`
         self._offloaded = self.stores[0].offloaded_groups if self.stores else 0
         self._base_pages = kv_buffers.pages_per_buffer - self._kv_extra_pages(self._offloaded)
         self.initial_rows = kv_buffers.rows_for_pages(self._base_pages)
@@ -147,12 +151,12 @@ class Repartitioner:
         if n_groups == 0:
             return 0
         start = self._quiesce()
-        counts = self.residency.agree() if self.residency is not None else None  # before anything can fail
+        counts = self._agree_counts()  # before anything can fail
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
-            if counts is not None:  # rows swapped while resident; undone after the refill below
-                self.residency.reorder(j, self.layout.boundary_expert(old), self.layout.boundary_expert(old + n_groups),
-                                       counts)
+            # rows swapped while resident; undone after the refill below
+            boundary = self.layout.boundary_expert(old)
+            self._reorder(j, boundary, self.layout.boundary_expert(old + n_groups), counts)
             # undone last: the pages are back under the experts by then, holding zeroed KV rows or slots
             j.record(lambda: self._refill_from_host(old + n_groups, old))
             freed = [h for store in self.stores for h in store.offload_tail_pages(n_groups, j)]
@@ -184,7 +188,7 @@ class Repartitioner:
             return 0
         self.layout.check_offloaded_groups(self._state_groups - from_state)
         start = self._quiesce()
-        counts = self.residency.agree() if self.residency is not None else None  # before anything can fail
+        counts = self._agree_counts()  # before anything can fail
         old_rows, old, old_state = self.kv.row_capacity, self._offloaded, self._state_groups
         per_store = n_groups * self.layout.pages_per_group_per_layer
         with atomic(None, on_failure=self.kv.backend.synchronize) as j:
@@ -198,13 +202,37 @@ class Repartitioner:
                 pool += self.state.shrink_to(new_state_rows, j)
             for k, store in enumerate(self.stores):
                 store.restore_tail(pool[k * per_store:(k + 1) * per_store], n_groups, j)
-            if counts is not None:  # the returned rows are resident again: swap at the new boundary
-                boundary = self.layout.boundary_expert(old - n_groups)
-                self.residency.reorder(j, boundary, boundary, counts)
+            boundary = self.layout.boundary_expert(old - n_groups)  # the returned rows are resident again
+            self._reorder(j, boundary, boundary, counts)
             self._set_state(old - n_groups, pool[len(self.stores) * per_store:], j, old_state - from_state)
             self._on_pool_resize(old_rows, self.kv.row_capacity, pool_tokens)
         self._count_remap(start, n_groups)
         return removed
+
+    @contextmanager
+    def undoing(self) -> Iterator[None]:
+        """The transactions inside undo a round another rank refused (ExpertMemory.return_to). Only the
+        ranks that applied the round run them, so residency by routing must not sum counts there (a
+        collective the other ranks never enter): it replays the round's swaps inverted instead."""
+        self._undoing = True
+        try:
+            yield
+        finally:
+            self._undoing = False
+
+    def _agree_counts(self) -> torch.Tensor | None:
+        """The ranks' summed routing counts (a collective, right after the quiescing synchronise and before
+        any step that can fail on one rank alone); None without residency by routing or in an undo."""
+        return self.residency.agree() if self.residency is not None and not self._undoing else None
+
+    def _reorder(self, journal: Journal, resident_end: int, target_boundary: int,
+                 counts: torch.Tensor | None) -> None:
+        if self.residency is None:
+            return
+        if self._undoing:
+            self.residency.revert_last(journal, resident_end)
+        else:
+            self.residency.reorder(journal, resident_end, target_boundary, counts)
 
     def stats(self) -> RepartitionStats:
         lay = self.layout

@@ -11,12 +11,13 @@ to physical experts for EPLB (`topk_ids_logical_to_physical`, layers/moe/topk.py
 change.
 
 - `RoutingCounts`: decayed selection counts per eligible layer and logical expert, accumulated on the
-  device from the top-k ids VAMP already sees (fixed shapes: graph safe), summed across ranks when a
-  transaction reads them (TP ranks see the same ids; DP attention ranks see different tokens).
+  device from the top-k ids VAMP already sees (fixed shapes: graph safe), summed when a transaction reads
+  them over the ranks that run it together (one round group: controller/groups.py), so they plan alike.
 - `ExpertOrder`: the logical -> physical map per layer, a device tensor the MoE path reads in place.
 - `reorder_rows`: inside an offload or restore transaction, swap expert rows (device rows, host copies,
   per-expert resident tensors such as FP8 scales, and the map) so that rows [boundary, routed) hold the
-  layer's coldest experts. Every swap is journalled, so a rollback restores all of them.
+  layer's coldest experts. Every swap is journalled, so a rollback restores all of them; undoing a
+  committed transaction another rank refused replays its swaps inverted (`Residency.revert_last`).
 """
 
 from __future__ import annotations
@@ -142,22 +143,27 @@ class ExpertRows:
         return moved
 
 
+def exchange(order: ExpertOrder, index: int, rows: ExpertRows, a: int, b: int, resident_end: int,
+             journal: Journal) -> int:
+    """Inside a transaction: swap what rows a and b of layer `index` hold (map, rows, host copies), rows
+    [0, resident_end) on the device; journalled with its inverse (the same swap). Returns the bytes."""
+    def swap() -> int:
+        order.swap(index, a, b)
+        return rows.swap(a, b, resident_end)
+
+    return journal.run(swap, lambda _: swap())
+
+
 def reorder_rows(order: ExpertOrder, index: int, rows: ExpertRows, counts: torch.Tensor, resident_end: int,
-                 target_boundary: int, journal: Journal) -> int:
+                 target_boundary: int, journal: Journal) -> tuple[int, list[tuple[int, int]]]:
     """Inside a transaction: swap layer `index`'s rows so [target_boundary, routed) hold its coldest experts
     by `counts` (logical), while rows [0, resident_end) are on the device (for an offload: before its pages
-    leave; for a restore: after its rows came back). Each swap is journalled with its inverse (the same
-    swap), so a rollback leaves rows, host copies and map as they were. Returns the bytes moved."""
+    leave; for a restore: after its rows came back). Each swap is journalled, so a rollback leaves rows,
+    host copies and map as they were. Returns the bytes moved and the (row, row) pairs swapped."""
     if not 0 <= target_boundary <= resident_end <= order.routed:
         raise ValueError(f"boundaries {target_boundary} <= {resident_end} <= {order.routed} do not hold")
-    moved = 0
-    for a, b in plan_swaps(counts.tolist(), order.logical_at[index], target_boundary):
-        def exchange(a=a, b=b) -> int:
-            order.swap(index, a, b)
-            return rows.swap(a, b, resident_end)
-
-        moved += journal.run(exchange, lambda _, exchange=exchange: exchange())
-    return moved
+    pairs = plan_swaps(counts.tolist(), order.logical_at[index], target_boundary)
+    return sum(exchange(order, index, rows, a, b, resident_end, journal) for a, b in pairs), pairs
 
 
 class Residency:
@@ -176,6 +182,7 @@ class Residency:
         self.swaps = self.swapped_bytes = 0
         self.offloaded_share = self.offloaded_share_by_index = 0.0  # at the last reorder
         self.coldest = True  # whether, at the last reorder, every layer's offloaded rows held its coldest
+        self._last: tuple | None = None  # the last committed reorder: (swaps, bytes, figures before it)
 
     def route(self, index: int, topk_ids: torch.Tensor | None) -> None:
         """Count layer `index`'s logical ids and map them to physical rows in place, before its kernel."""
@@ -191,29 +198,54 @@ class Residency:
     def agree(self) -> torch.Tensor | None:
         """The counts every rank of `group` plans from (their sum), or None while some layer has no ids to
         map. A collective: every rank calls it at the same point of a transaction, before any step that may
-        fail on one rank alone (a rank that left the transaction would leave the others waiting here)."""
+        fail on one rank alone (a rank that left the transaction would leave the others waiting here).
+        Never in an undo (`revert_last`): only the ranks that applied a refused round undo it."""
         return None if self.without_ids else self.counts.agreed(self.group)
 
     def reorder(self, journal: Journal, resident_end: int, target_boundary: int,
                 counts: torch.Tensor | None) -> int:
         """Inside a transaction: every layer's rows [target_boundary, routed) to its coldest experts by
-        `counts` (from `agree`; None: nothing moves). Returns the bytes moved."""
-        if counts is None:
-            return 0
-        moved = swaps = 0
-        for index, rows in enumerate(self.rows):
-            before = len(journal)
-            moved += reorder_rows(self.order, index, rows, counts[index], resident_end, target_boundary, journal)
-            swaps += len(journal) - before
-        self._note(counts, target_boundary)
-        self.swaps += swaps
+        `counts` (from `agree`; None: nothing moves). Its swaps become the ones `revert_last` undoes, and
+        every figure here is journalled, so a rollback leaves the stats of the plan still in place.
+        Returns the bytes moved."""
+        figures, moved, swaps = self._figures(), 0, []
+        for index, rows in enumerate(self.rows if counts is not None else ()):
+            step_moved, pairs = reorder_rows(self.order, index, rows, counts[index], resident_end,
+                                             target_boundary, journal)
+            moved += step_moved
+            swaps += [(index, a, b) for a, b in pairs]
+        journal.record(lambda: self._set_figures(figures))
+        if counts is not None:
+            self._note(counts, target_boundary)
+        self.swaps += len(swaps)
         self.swapped_bytes += moved
-        journal.record(lambda: self._undo_totals(swaps, moved))
+        self._last = (swaps, moved, figures)
         return moved
 
-    def _undo_totals(self, swaps: int, moved: int) -> None:
-        self.swaps -= swaps
+    def revert_last(self, journal: Journal, resident_end: int) -> int:
+        """Inside an undo transaction (ExpertMemory.return_to, a round another rank refused): the last
+        committed reorder's swaps inverted, newest first, with no collective, so this rank ends in the order
+        and with the figures it had before the round. A second undo transaction of the same round (a
+        restore from both pools is undone by two offloads) finds nothing left to revert. Returns the bytes."""
+        if self._last is None:
+            return 0
+        figures, (swaps, moved, before) = self._figures(), self._last
+        journal.record(lambda: self._set_figures(figures))
+        back = sum(exchange(self.order, index, self.rows[index], a, b, resident_end, journal)
+                   for index, a, b in reversed(swaps))
+        self._set_figures(before)
+        self.swaps -= len(swaps)
         self.swapped_bytes -= moved
+        self._last = None
+        return back
+
+    def _figures(self) -> tuple:
+        return (self.swaps, self.swapped_bytes, self.offloaded_share, self.offloaded_share_by_index,
+                self.coldest, self._last)
+
+    def _set_figures(self, figures: tuple) -> None:
+        (self.swaps, self.swapped_bytes, self.offloaded_share, self.offloaded_share_by_index, self.coldest,
+         self._last) = figures
 
     def _note(self, counts: torch.Tensor, boundary: int) -> None:
         total = counts.sum().item()

@@ -164,7 +164,12 @@ class ExpertMemory:
     def return_to(self, sizes: PoolSizes) -> None:
         """Transactions back to exactly `sizes` (`pool_sizes()` before a round another rank refused): the
         groups the round moved go back to the pools they came from, and each pool takes the size it had,
-        not the largest its groups allow. A retry after a failure goes on from where that one stopped."""
+        not the largest its groups allow. A retry after a failure goes on from where that one stopped.
+        Only the ranks that applied the round run these, so no transaction here may hold a collective."""
+        with self.repartitioner.undoing():
+            self._return_to(sizes)
+
+    def _return_to(self, sizes: PoolSizes) -> None:
         rep = self.repartitioner
         extra_state, extra_kv = rep.state_groups - sizes.state_groups, rep.kv_groups - sizes.kv_groups
         if extra_state > 0:
