@@ -100,7 +100,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "MiniMax-M2",
         _archs("MiniMaxM2ForCausalLM"),
-        reason="full attention and block-FP8 experts, both of which VAMP handles, but " + _UNTESTED),
+        tiny_archs=("minimax_m2",), pools="KV"),
     Family(
         "DeepSeek-V3.2, GLM-5 (DSA)",
         _archs("DeepseekV32ForCausalLM GlmMoeDsaForCausalLM Glm5NextForConditionalGeneration"),
