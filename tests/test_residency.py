@@ -1,7 +1,8 @@
 """Residency by routing (issue 49): decayed routing counts, the logical -> physical map applied to top-k ids,
 and the row swaps inside an offload transaction on real host pages: the offloaded rows hold the coldest
 experts, MoE outputs are bit-identical to the unpermuted layer, and a rollback restores rows, host copies,
-resident per-expert tensors and the map together. No SGLang."""
+resident per-expert tensors and the map together; a rank undoes a refused round without a collective, and
+the counts are summed over one round group only (`routing_group`, the one test that reads SGLang's groups)."""
 
 import json
 import os
@@ -9,11 +10,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_experts import host_backend, make_layout, make_weights
+from test_integration_memory import GRAN, RATIO, make_layers, sglang_moe  # noqa: F401 (sglang_moe: fixture)
 from test_repartition import HIDDEN as REPART_HIDDEN
 from test_repartition import (
     InjectedFault,
@@ -247,7 +250,7 @@ rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 rows = [ExpertRows([torch.zeros(8, 1)], [torch.zeros(4, 1)], 8)]
 residency = Residency(rows, group=dist.group.WORLD)
-residency.route(0, torch.tensor([[7, 6]] * 3 if rank else [[0, 1], [0, 7]]))  # DP ranks route other tokens
+residency.route(0, torch.tensor([[7, 6]] * 3 if rank else [[0, 1], [0, 7]]))  # counts that differ
 counts = residency.agree()
 print(json.dumps([counts.tolist(), plan_swaps(counts[0].tolist(), list(range(8)), 4)]))
 dist.destroy_process_group()
@@ -255,8 +258,9 @@ dist.destroy_process_group()
 
 
 def test_ranks_agree_on_summed_counts_and_so_on_the_swaps():
-    """Two fresh interpreters on a loopback gloo group (as DP attention ranks, which route different tokens
-    through the same experts): both plan from the sum of their counts, so both offload the same experts."""
+    """Two fresh interpreters on a loopback gloo group, as two ranks of one round group (the TP ranks, or one
+    DP rank's attention-TP ranks: `routing_group`), whose counts differ however they came to: both plan from
+    the sum of their counts, so both offload the same experts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -327,3 +331,58 @@ def test_a_rank_undoes_a_refused_round_without_a_collective(tmp_path):
     same, permuted, swaps_applied, swaps_after, seconds = json.loads(rank0)
     assert same and permuted and seconds < 5  # the round's swaps replayed inverted, in place, no wait
     assert swaps_applied > swaps_after  # the undone round's swaps no longer counted
+
+
+@pytest.mark.parametrize("dp_attention, attn_tp, summed_over", [(False, 4, "tp"), (True, 2, "attn_tp"),
+                                                                 (True, 1, None)])
+def test_counts_are_summed_over_one_round_group_only(monkeypatch, dp_attention, attn_tp, summed_over):
+    """Under DP attention each DP rank offloads in its own round (controller/groups.py) while the other DP
+    ranks sit in SGLang's per-step MLP-sync collectives on the TP group: the counts' collective must span
+    only ranks of one round, the rank's attention-TP group (none at attention-TP 1). Plain TP: the TP
+    group; expert parallelism: no group (each rank orders its own experts)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import parallel_state
+
+    from vamp_sglang.integration.staging.expert_order import routing_group
+
+    parallel = SimpleNamespace(attn_dp_enabled=dp_attention, tp_size=4, attn_tp_size=attn_tp, attn_cp_size=1,
+                               tp_group=SimpleNamespace(world_size=4, cpu_group="tp"),
+                               attn_tp_group=SimpleNamespace(world_size=attn_tp, cpu_group="attn_tp"))
+    for module in (runtime_context, parallel_state):
+        monkeypatch.setattr(module, "get_parallel", lambda: parallel)
+    assert routing_group(SimpleNamespace(moe_ep_size=1)) == summed_over
+    assert routing_group(SimpleNamespace(moe_ep_size=2)) is None
+
+
+def _plain_scales(layer):
+    layer.hpc_ops_w13_weight_scale = torch.ones(layer.w13_weight.shape[0], 2)  # as fp8.py's hpc_ops set-up
+
+
+def _hpc_ops_runner(layer):
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    layer.quant_method.runner = SimpleNamespace(runner_backend=MoeRunnerBackend.HPC_OPS)
+
+
+@pytest.mark.parametrize("change, refusal", [(None, None), (_hpc_ops_runner, "runs the hpc_ops MoE runner"),
+                                             (_plain_scales, "hpc_ops_w13_weight_scale")])
+def test_routing_order_is_refused_where_a_swap_would_leave_per_expert_state_behind(sglang_moe, change,  # noqa: F811
+                                                                                   refusal):
+    """A swap moves w13/w2, their host copies and the layer's per-expert Parameters. Runners other than
+    SGLang's Triton MoE (the CPU path runs it too) keep derived per-expert copies elsewhere, e.g. hpc_ops
+    FP8's padded scales as plain attributes: refused at conversion, naming the flag, not served wrong."""
+    from vamp_sglang.integration.staging import moe_staging
+    from vamp_sglang.memory.host_backend import HostPageBackend
+
+    layers = make_layers(sglang_moe[0])
+    for layer in layers if change else ():
+        change(layer)
+    backend = HostPageBackend("cpu", granularity_bytes=GRAN)
+    if refusal is None:
+        experts = moe_staging.convert_experts(layers, backend, RATIO, expert_order="routing")
+        assert experts.residency is not None and experts.residency.group is None  # one rank
+        experts.close()
+        return
+    with pytest.raises(moe_staging.ExpertConversionError, match=f"--vamp-expert-order routing.*{refusal}"):
+        moe_staging.convert_experts(layers, backend, RATIO, expert_order="routing")
+    backend.close()

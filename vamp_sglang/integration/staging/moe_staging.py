@@ -41,7 +41,8 @@ Residency by routing (issue 49, `--vamp-expert-order routing`, memory/residency.
 the break, counts the router's logical ids and rewrites them in place as the physical rows that hold those
 experts (fixed-shape device ops on fixed tensors, so captured segments replay the live order), so the
 staging break and the kernel read physical rows; the Repartitioner swaps rows, host copies and per-expert
-tensors inside each offload or restore, so the offloaded rows hold the least-routed experts.
+tensors inside each offload or restore, so the offloaded rows hold the least-routed experts (which
+layers may be reordered, and over which ranks counts are summed: expert_order.py).
 
 Paper V-B: the gate-up GEMM needs only w13, so where SGLang runs the two GEMMs as separate launches
 (its Triton MoE: two `invoke_fused_moe_kernel` calls in `_fused_moe_kernel_sequence`) the layer waits
@@ -59,6 +60,7 @@ from typing import Any
 
 import torch
 
+from vamp_sglang.integration.staging.expert_order import per_expert_tensors, routing_group, routing_refusal
 from vamp_sglang.integration.staging.host_experts import HostExpertStats, host_refusal, run_moe_core_host
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
@@ -203,6 +205,9 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         raise ExpertConversionError("the model has no FusedMoE layer; VAMP needs an MoE model")
     for layer in layers:
         _check_layer(layer, layers[0], backend.device)
+        if expert_order == "routing" and (reason := routing_refusal(layer)) is not None:
+            raise ExpertConversionError(f"--vamp-expert-order routing: MoE layer {layer.layer_id} {reason}; "
+                                        f"use --vamp-expert-order index")
     layout = compute_layout(layers, backend.granularity_bytes, max_offload_ratio)
     staging = StagingBuffers(backend, layout)  # also the one host arena for every layer's host copy
     stores: list[ExpertStore] = []
@@ -237,25 +242,6 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         residency = Residency(rows, backend.device, group=routing_group(eligible[0]))
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
                         {s.w2.data_ptr(): s.layer_id for s in stores}, residency, host)
-
-
-def per_expert_tensors(layer: Any, experts: int) -> list[torch.Tensor]:
-    """The layer's per-expert parameters besides w13/w2 (FP8 block scales, biases): resident rows that
-    move with their expert when residency by routing swaps two rows."""
-    return [p.data for name, p in layer.named_parameters(recurse=False)
-            if name not in ("w13_weight", "w2_weight") and p.dim() >= 1 and p.shape[0] == experts]
-
-
-def routing_group(layer: Any) -> Any:
-    """The CPU group whose ranks hold the same experts (tensor parallelism: a slice of every expert), over
-    which routing counts are summed so every rank offloads the same experts; None under expert
-    parallelism (each rank orders its own experts) or on one rank."""
-    if getattr(layer, "moe_ep_size", 1) > 1:
-        return None
-    from sglang.srt.distributed import get_tp_group
-
-    group = get_tp_group()
-    return group.cpu_group if group.world_size > 1 else None
 
 
 def keep_moe_on_capture_stream(model: torch.nn.Module, layers: list[Any]) -> None:
