@@ -51,6 +51,11 @@ class RoutingCounts:
         row.mul_(self.decay)
         row.index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
 
+    def reset(self) -> None:
+        """Forget every count, in place (captured graphs hold this tensor): at scheduler set-up, so graph
+        capture's dummy batches do not weigh on the first offload's order."""
+        self._counts.zero_()
+
     def agreed(self, group=None) -> torch.Tensor:
         """Every layer's counts `[layers, experts]` on the host, summed over the ranks of `group` (a CPU
         torch.distributed process group, or None for this rank alone), so every rank plans the same order."""

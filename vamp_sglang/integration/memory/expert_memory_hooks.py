@@ -142,6 +142,8 @@ def setup_scheduler(scheduler: Any, runtime: Any) -> None:
                           states=states, tree_cache=scheduler.tree_cache, draft_pools=_process.draft_pools)
     memory.faults = runtime.faults
     _process.memory = memory
+    if _process.experts.residency is not None:  # graph capture's routing is not served traffic
+        _process.experts.residency.counts.reset()
     memory.size_snapshots = kv_pool.size_snapshots(scheduler)
     scheduler.vamp_expert_memory = runtime.expert_memory = memory
     runtime.extensions.append(memory)
