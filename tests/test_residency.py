@@ -215,7 +215,8 @@ def test_repartition_transactions_reorder_rows_and_roll_back_whole(system):  # n
     rp._on_pool_resize = write_then_refuse
     with pytest.raises(InjectedFault):
         rp.offload(2)
-    assert _same(_state(real, stores, kv, pool, rp), before) and residency.stats() == figures  # journalled too
+    assert _same(_state(real, stores, kv, pool, rp), before)
+    assert residency.stats() == figures  # the figures are journalled too
     rp._on_pool_resize = publish
     rp.offload(2)
     assert residency.swaps > swaps > 0 and residency.coldest
@@ -369,8 +370,8 @@ def _hpc_ops_runner(layer):
 
 @pytest.mark.parametrize("change, refusal", [(None, None), (_hpc_ops_runner, "runs the hpc_ops MoE runner"),
                                              (_plain_scales, "hpc_ops_w13_weight_scale")])
-def test_routing_order_is_refused_where_a_swap_would_leave_per_expert_state_behind(sglang_moe, change,  # noqa: F811
-                                                                                   refusal):
+def test_routing_order_is_refused_where_a_swap_would_leave_per_expert_state_behind(
+        sglang_moe, change, refusal):  # noqa: F811
     """A swap moves w13/w2, their host copies and the layer's per-expert Parameters. Runners other than
     SGLang's Triton MoE (the CPU path runs it too) keep derived per-expert copies elsewhere, e.g. hpc_ops
     FP8's padded scales as plain attributes: refused at conversion, naming the flag, not served wrong."""
@@ -389,3 +390,15 @@ def test_routing_order_is_refused_where_a_swap_would_leave_per_expert_state_behi
     with pytest.raises(moe_staging.ExpertConversionError, match=f"--vamp-expert-order routing.*{refusal}"):
         moe_staging.convert_experts(layers, backend, RATIO, expert_order="routing")
     backend.close()
+
+
+@pytest.mark.parametrize("backend", ["hpc_ops", "flashinfer_cutlass"])
+def test_the_launcher_refuses_routing_order_on_other_moe_runners_naming_both_flags(backend):
+    from vamp_sglang.config import ConfigError
+    from vamp_sglang.launch_server import prepare
+
+    argv = ["--device", "cpu", "--model-path", "/nonexistent", "--vamp-max-offload-ratio", "0.2",
+            "--vamp-expert-order", "routing", "--moe-runner-backend"]
+    with pytest.raises(ConfigError, match=f"--vamp-expert-order routing .*--moe-runner-backend {backend}"):
+        prepare([*argv, backend])
+    assert prepare([*argv, "triton"]).vamp.expert_order == "routing"

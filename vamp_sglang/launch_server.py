@@ -131,6 +131,10 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
                           "an eager graph break): use auto, whole or routed")
     if vamp.page_backend == "host" and device == "cuda":
         raise ConfigError("--vamp-page-backend host is for --device cpu; use cuda or auto on a GPU")
+    if vamp.expert_order == "routing" and sg.moe_runner_backend not in (None, "auto", "triton"):
+        raise ConfigError(f"--vamp-expert-order routing needs SGLang's Triton MoE runner (got "
+                          f"--moe-runner-backend {sg.moe_runner_backend}, whose per-expert copies a row swap "
+                          f"would not move): use --vamp-expert-order index")
     if sg.radix_eviction_policy == "vamp" and sg.radix_cache_backend != "vamp":
         raise ConfigError("--radix-eviction-policy vamp needs --radix-cache-backend vamp")
     if vamp.decision_log is not None:
