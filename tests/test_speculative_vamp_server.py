@@ -8,13 +8,15 @@ sessions of TURNS turns whose final contexts add up to more than twice POOL_TOKE
 - the tiny Qwen3-MoE with its EAGLE3 draft (random weights), EAGLE3: the MHA pool and the draft head's.
 Checked: VAMP grew the target pool from expert memory and every draft pool to the same size (`/vamp/stats`),
 nothing failed, SGLang measured an accept length, and the greedy tokens of every turn equal those of ratio 0
-without speculation on a pool large enough that nothing is evicted. The draft's tokens past the start size
+without speculation on a pool large enough that nothing is evicted; the DeepSeek-V3 run again at TP 2 with
+each rank's decision log: both ranks decide alike. The draft's tokens past the start size
 live in rows only the grown draft pool has: a draft pool left at its start size fails the first such write.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import pytest
 
@@ -29,8 +31,8 @@ pytestmark = [pytest.mark.server, pytest.mark.long]
 POOL_TOKENS, LARGE_POOL_TOKENS = 512, 8192
 
 
-def _serve(model, name: str, pool: int, flags: tuple[str, ...]) -> dict:
-    setup = ServerSetup(str(model), max_total_tokens=pool)
+def _serve(model, name: str, pool: int, flags: tuple[str, ...], tp: int = 1, log_dir: str = "results/logs") -> dict:
+    setup = ServerSetup(str(model), max_total_tokens=pool, tp_size=tp, log_dir=log_dir)
     with Server(setup, ServerConfig(name, flags)) as server:
         before = get_json(f"{server.url}/vamp/stats")
         with cf.ThreadPoolExecutor(SESSIONS) as workers:
@@ -47,9 +49,19 @@ def _pair(model, name: str, speculation: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    out = tmp_path_factory.mktemp("agree") / "tiny-deepseek-v3"
-    return _pair(agreeing_draft(tiny_deepseek("deepseek_v3"), out), "deepseek-mtp",
-                 ("--speculative-algorithm", "EAGLE"))
+    model = agreeing_draft(tiny_deepseek("deepseek_v3"), tmp_path_factory.mktemp("agree") / "tiny-deepseek-v3")
+    return {"model": model} | _pair(model, "deepseek-mtp", ("--speculative-algorithm", "EAGLE"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_tp2(tmp_path_factory, deepseek):
+    """VAMP-20 with the MTP draft at TP 2, each rank logging its decisions (rank r > 0 writes log.rank<r>)."""
+    logs = tmp_path_factory.mktemp("logs")
+    log = logs / "decisions.jsonl"
+    run = _serve(deepseek["model"], "deepseek-mtp-vamp20-tp2", POOL_TOKENS,
+                 ("--vamp-max-offload-ratio", "0.2", "--vamp-decision-log", str(log),
+                  "--speculative-algorithm", "EAGLE", *CHAIN), tp=2, log_dir=str(logs))
+    return {"vamp": run, "reference": deepseek["reference"], "logs": [log, log.with_name(f"{log.name}.rank1")]}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +97,14 @@ def test_qwen3_eagle3_draft_pool_grows_and_outputs_equal_ratio_zero(qwen3_eagle3
     accept = _check(qwen3_eagle3)
     print(f"Qwen3-MoE EAGLE3 (random draft), VAMP-20: pool {POOL_TOKENS} -> "
           f"{qwen3_eagle3['vamp']['after']['kv_pool']['tokens']}, accept length {accept}")
+
+
+def test_tp2_ranks_decide_alike_and_outputs_equal_ratio_zero(deepseek_tp2):
+    _check(deepseek_tp2)
+    rank0, rank1 = ([json.loads(line) for line in path.read_text().splitlines()] for path in deepseek_tp2["logs"])
+    assert rank0, "TP 2 made no decision"
+
+    def decisions(log):
+        return [(d["step"], d["site"], d.get("snapshot"), d["plan"], d["outcome"]) for d in log]
+
+    assert decisions(rank0) == decisions(rank1)
