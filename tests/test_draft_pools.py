@@ -43,9 +43,15 @@ def _pool(layers, size=POOL_TOKENS, heads=KV_HEADS, start_layer=None):
 
 
 def _as_draft_runner(build):
-    """`build()` run inside a draft ModelRunner's `alloc_memory_pool`, through our hook."""
+    """`build()` run inside a draft ModelRunner's `alloc_memory_pool`, through our hook; the runner keeps the
+    pool as SGLang's does (model_runner.py:988, `self.token_to_kv_pool`)."""
     runner = SimpleNamespace(is_draft_worker=True)
-    return hooks._around_alloc_memory_pool(lambda _runner: build(), runner)
+
+    def alloc_memory_pool(runner):
+        runner.token_to_kv_pool = build()
+        return runner.token_to_kv_pool
+
+    return hooks._around_alloc_memory_pool(alloc_memory_pool, runner)
 
 
 @pytest.fixture
@@ -146,6 +152,15 @@ def test_a_draft_with_another_kv_row_is_refused_naming_the_flag(vamp):  # noqa: 
     with pytest.raises(UnsupportedPoolError, match="--vamp-max-offload-ratio 0"):
         _as_draft_runner(lambda: _pool(1, heads=2 * KV_HEADS))
     assert hooks._process.draft_pools == []
+
+
+def test_a_draft_runner_left_with_a_pool_vamp_did_not_lay_is_refused(vamp):  # noqa: F811
+    """A draft pool built past the hooked creators (another buffer path, or one made before the runner's
+    alloc_memory_pool) keeps its start-up rows while the shared allocator hands out grown ids: refused."""
+    _pool(LAYERS)
+    unlaid = _pool(1)  # built outside a draft runner: SGLang's own buffers
+    with pytest.raises(UnsupportedPoolError, match="draft.*--vamp-max-offload-ratio 0"):
+        _as_draft_runner(lambda: unlaid)
 
 
 def test_pools_built_outside_a_draft_runner_pass_through(vamp):  # noqa: F811

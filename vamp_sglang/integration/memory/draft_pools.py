@@ -108,6 +108,17 @@ def lay_draft_pool(pool: Any, target: GrowablePool) -> GrowablePool:
     return GrowablePool(pool, kv)
 
 
+def check_laid(pool: Any, target: GrowablePool | None, drafts: Sequence[GrowablePool]) -> None:
+    """A draft runner must be left with the target's pool or one `lay_draft_pool` laid: a pool built past the
+    hooked buffer creators (another `_create_buffers` path, or one made before the runner's
+    `alloc_memory_pool`) keeps its start-up rows while the shared allocator hands out grown ids."""
+    if pool is None or target is None or pool is target.pool or any(pool is d.pool for d in drafts):
+        return
+    raise UnsupportedPoolError(f"the draft runner's KV pool ({type(pool).__name__}) was not built through the "
+                               "buffer creators VAMP grows, so it would keep its start-up size while the "
+                               "shared allocator grows; run with --vamp-max-offload-ratio 0")
+
+
 def buffer_set(target: GrowablePool, drafts: Sequence[GrowablePool]) -> GrowableKVBuffers | KVBufferSet:
     """What the `Repartitioner` grows: the target's buffers alone, or with every draft pool's."""
     return KVBufferSet([target.kv, *(d.kv for d in drafts)]) if drafts else target.kv

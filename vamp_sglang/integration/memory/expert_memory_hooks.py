@@ -91,9 +91,11 @@ def _around_alloc_memory_pool(original: Callable, runner: Any, *args: Any, **kwa
         return original(runner, *args, **kwargs)
     _process.building_draft = True
     try:
-        return original(runner, *args, **kwargs)
+        result = original(runner, *args, **kwargs)
     finally:
         _process.building_draft = False
+    draft_pools.check_laid(getattr(runner, "token_to_kv_pool", None), _process.pool, _process.draft_pools)
+    return result
 
 
 def _after_init_mamba_pool(result: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> None:
