@@ -131,7 +131,7 @@ def test_with_nccl_the_originals_run():
 
 SIZES = [3, 1]
 RANK_MAIN = """
-import json, sys
+import json, os, sys
 from types import SimpleNamespace
 import torch, torch.distributed as dist
 from vamp_sglang.cpu.gathers import all_gatherv
@@ -147,8 +147,9 @@ ids = torch.full((sizes[rank], 3), rank, dtype=torch.int32)
 gathered, gathered_ids = all_gatherv(never, group, [rows, ids], sizes=sizes)
 out = torch.empty(sum(sizes), 2)
 returned = all_gatherv(never, group, rows, sizes=sizes, output=out)
-print(json.dumps([gathered.tolist(), gathered_ids.tolist(), returned[0] is out, out.tolist()]))
-dist.destroy_process_group()
+print(json.dumps([gathered.tolist(), gathered_ids.tolist(), returned[0] is out, out.tolist()]), flush=True)
+dist.barrier()  # both ranks are done with the group; then leave without gloo's teardown, which aborted one
+os._exit(0)     # rank once ("terminate called without an active exception") when rank 0's store went first
 """
 
 
