@@ -53,7 +53,7 @@ class StagingEngine:
                  is_capturing: Callable[[], bool] | None = None, split_w2_wait: bool = False,
                  staging: str = WHOLE, top_k: int | None = None,
                  routed_copier: Callable[[ExpertStore, torch.Tensor], torch.Tensor] | None = None,
-                 ep_size: int = 1) -> None:
+                 ep_size: int = 1, host_capable: bool = False, trim_padding: bool = False) -> None:
         """`is_capturing()` says whether the current stream is capturing a CUDA graph (default: torch's
         check on CUDA, never on the host). `split_w2_wait`: `before_moe` waits only for w13 and the
         caller calls `before_down_proj` before the down projection reads w2 (paper V-B). `staging`: auto,
@@ -62,7 +62,11 @@ class StagingEngine:
         `ep_size` is the MoE's expert-parallel size (SGLang's `moe_ep_size`): the stores hold this rank's
         routed/ep experts, but the router picks its top-k among all of them, so a local expert is selected
         by T tokens with probability 1-(1-k/(E_local * ep))^T; priced with E_local the routed rows came out
-        about ep times too many until the measured ratio corrected them (issue 45)."""
+        about ep times too many until the measured ratio corrected them (issue 45). `host_capable`: the caller
+        can compute cold experts on the host, so the chooser may pick `host` steps (issue 49).
+        `trim_padding`: the top-k rows past the step's token count are padding (a CUDA graph replayed at a
+        larger batch; only where the MoE sees this rank's own tokens), so routed steps neither copy nor
+        count what those rows select."""
         if mode not in STAGING_MODES:
             raise ValueError(f"staging mode must be one of {', '.join(STAGING_MODES)} (got {mode!r})")
         if ep_size < 1:
@@ -83,7 +87,9 @@ class StagingEngine:
             raise ValueError(f"staging {staging!r} on CUDA needs a routed_copier")
         self._routed_copier = routed_copier
         global_routed = self._stores[0].routed_experts * ep_size if self._stores else 0
-        self.chooser = StagingChooser(staging, top_k, global_routed, measure_steps=not self._cuda)
+        self.chooser = StagingChooser(staging, top_k, global_routed, measure_steps=not self._cuda,
+                                      host_capable=host_capable)
+        self.trim_padding = trim_padding
         self._step_mode, self._step_tokens, self._step_start = WHOLE, None, 0.0
         self._pending: dict[int, StagedCopy] = {}  # eligible index -> copy in flight
         self._w2_pending: dict[int, StagedCopy] = {}  # split waits: w13 waited, w2 not yet
@@ -144,6 +150,14 @@ class StagingEngine:
         if self.mode == "async" and self._step_mode == WHOLE and nxt < len(self._stores):
             self._launch(nxt)
 
+    @property
+    def step_mode(self) -> str:
+        return self._step_mode
+
+    def host_layer(self, pairs: int, seconds: float) -> None:
+        """A host step's layer computed `pairs` cold pairs on the host in `seconds` (issue 49)."""
+        self.chooser.observe_host(self._step, self._step_tokens, pairs, seconds)
+
     def before_down_proj(self, layer_id: int) -> None:
         """With `split_w2_wait`: right before the down projection, wait for the layer's w2 copy."""
         copy = None if self._is_capturing() else self._w2_pending.pop(self._index.get(layer_id, -1), None)
@@ -177,7 +191,15 @@ class StagingEngine:
         self._w2_pending.clear()
 
     def stats(self) -> StagingStats:
+        """Everything since start-up (the decisions difference its cumulative wait)."""
         return self._timing.stats(self._step)
+
+    def served_stats(self) -> StagingStats:
+        """What `/vamp/stats` reports: the figures after `exclude_warmup` (all of them before it is called)."""
+        return self._timing.served(self._step)
+
+    def exclude_warmup(self) -> None:
+        self._timing.exclude_until(self._step)
 
     def close(self) -> None:
         self.drain()
@@ -207,6 +229,8 @@ class StagingEngine:
         """Copy the routed offloaded experts of eligible layer `i` now, in the compute stream or thread:
         the MoE kernel that follows reads them (issue 12). The copy is all wait (not overlapped)."""
         store = self._stores[i]
+        if self.trim_padding and self._step_tokens is not None:
+            topk_ids = topk_ids[:self._step_tokens]
         self._timing.issued(ROUTED)
         copy = StagedCopy(self._step, None, None, mode=ROUTED, tokens=self._step_tokens,
                           row_bytes=_row_bytes(store))

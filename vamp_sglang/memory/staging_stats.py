@@ -6,19 +6,23 @@ read back once they completed (never by querying the copy when the CPU enqueues 
 with the worker's and the waiting thread's clocks. Each figure is also kept per staging mode, and every
 read-back copy is reported to the staging choice (staging_choice.py), which picks later steps' modes
 from these measurements.
+
+What `/vamp/stats` reports is served traffic (issue 49): the steps SGLang's HTTP warm-up request ran are
+excluded (`exclude_until`), while the measurements the decisions difference (the cumulative wait) keep
+counting from start-up.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 from vamp_sglang.memory.experts import ExpertStore
-from vamp_sglang.memory.staging_choice import ROUTED, WHOLE, StagingChooser
+from vamp_sglang.memory.staging_choice import HOST, ROUTED, WHOLE, StagingChooser
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,16 @@ class StagingStats:
     timed_copies: int  # copies whose times were read back so far (CUDA reads them once they completed)
     step_copy_s: float  # copy_s of the last step whose copies were all read back
     step_wait_s: float  # wait_s of that step
-    by_mode: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # whole / routed: steps, bytes,
-    # copy_s, wait_s (issue 12)
+    by_mode: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # whole / routed / host: steps,
+    # bytes, copy_s, wait_s (issue 12)
+
+    def since(self, base: StagingStats) -> StagingStats:
+        """The cumulative figures counted after `base` was taken (the last step's stay as they are)."""
+        totals = {f.name: getattr(self, f.name) - getattr(base, f.name) for f in fields(self)
+                  if f.name not in ("step_copy_s", "step_wait_s", "by_mode")}
+        by_mode = {m: {k: v - base.by_mode.get(m, {}).get(k, 0) for k, v in row.items()}
+                   for m, row in self.by_mode.items()}
+        return replace(self, **totals, by_mode=by_mode)
 
 
 @dataclass(eq=False)
@@ -70,7 +82,8 @@ class StagingLedger:
         self._waiting: deque[StagedCopy] = deque()
         self.bytes, self.copies, self.unprefetched = 0, 0, 0
         self.wait_s, self.copy_s, self.stalls, self.timed = 0.0, 0.0, 0, 0
-        self.by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED)}
+        self.by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED, HOST)}
+        self._excluded: StagingStats | None = None  # the figures at the end of the warm-up
         self._step_open = (-1, 0.0, 0.0)  # (step, copy_s, wait_s) being summed while its copies are read
         self._step_done = (0.0, 0.0)
 
@@ -92,6 +105,14 @@ class StagingLedger:
         return StagingStats(self.wait_s, self.copy_s, self.bytes, self.copies, self.stalls, self.unprefetched,
                             steps, self.timed, *self._step_done,
                             by_mode={m: dict(v) for m, v in self.by_mode.items()})
+
+    def exclude_until(self, steps: int) -> None:
+        """What was counted so far is not served traffic: `served` reports only what comes after."""
+        self._excluded = self.stats(steps)
+
+    def served(self, steps: int) -> StagingStats:
+        stats = self.stats(steps)
+        return stats if self._excluded is None else stats.since(self._excluded)
 
     def harvest(self, step_now: int) -> None:
         """Read back the times of waited copies that completed, in order, without blocking."""

@@ -7,6 +7,13 @@ Paper section V calibrates the cost model online; here each forward feeds
 - the TPOT guard: the interval from one decode step to the next (prefill chunks in between included),
   and what staging cost that decode step: its wait for the staging copies, per offloaded group.
 These are local timings; plan_inputs.py agrees them across ranks before a plan uses them.
+
+It also marks where served traffic starts for `/vamp/stats` (issue 49): SGLang's HTTP server sends one
+warm-up request once the scheduler runs (http_server._execute_server_warmup, unless
+--skip-server-warmup), before it reports itself up; its steps are not served traffic. The scheduler
+cannot tell that request from others, but it runs alone: the first time the scheduler is fully idle after
+a forward, the steps so far (the warm-up's, and any dummy forwards before it) are excluded from the
+staging and host-expert figures /vamp/stats reports. The measurements above keep them.
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ from vamp_sglang.policy.tpot_guard import TpotGuard
 class StepMeasurements:
     """The calibrator, the prefill timer and the TPOT guard of one scheduler process, and their feeds."""
 
-    def __init__(self, config: Any, memory: Any, base_coefficients: Coefficients) -> None:
+    def __init__(self, config: Any, memory: Any, base_coefficients: Coefficients,
+                 warmup: bool | None = None) -> None:
+        """`warmup`: whether SGLang sends its warm-up request (None: read --skip-server-warmup)."""
         self.memory = memory
+        self._awaiting_warmup = server_warms_up() if warmup is None else warmup
+        self._forwards = 0
         self.calibrator = Calibrator.starting_from(base_coefficients)
         self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
         self.guard = TpotGuard(config.tpot_slo_ms) if config.tpot_slo_ms else None
@@ -42,6 +53,7 @@ class StepMeasurements:
         for the TPOT guard, what a decode step waited for its copies. Only that wait is attributed to
         offloading (issue 19.11): a baseline of step times taken while nothing was offloaded went stale
         as the batch grew, and charged every slower step to the experts."""
+        self._forwards += 1
         staging = self.memory.experts.engine.stats()
         wait_s = float(staging.wait_s)
         waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
@@ -60,8 +72,15 @@ class StepMeasurements:
         self._last_decode_start_s = now
 
     def idle(self) -> None:
-        """An idle poll breaks the chain of decode steps: the next one starts a new interval."""
+        """An idle poll breaks the chain of decode steps: the next one starts a new interval. The first
+        after a forward ends the warm-up."""
         self._last_decode_start_s = None
+        if self._awaiting_warmup and self._forwards:
+            self._awaiting_warmup = False
+            experts = self.memory.experts
+            experts.engine.exclude_warmup()
+            if experts.host is not None:
+                experts.host.pairs = experts.host.steps = 0
 
     def on_retracted(self, reqs: list[Any]) -> None:
         now = time.perf_counter()
@@ -73,3 +92,10 @@ class StepMeasurements:
         retracted_at = self._retracted_at.pop(req.rid, None)
         if retracted_at is not None:
             self.calibrator.observe_queue_delay(time.perf_counter() - retracted_at)
+
+
+def server_warms_up() -> bool:
+    """Whether SGLang's HTTP server sends its warm-up request (http_server._wait_and_warmup)."""
+    from sglang.srt.runtime_context import get_serving
+
+    return not get_serving().skip_server_warmup

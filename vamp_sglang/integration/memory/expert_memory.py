@@ -197,7 +197,7 @@ class ExpertMemory:
 
     def stats(self) -> dict[str, Any]:
         lay, rep = self.layout, self.repartitioner.stats()
-        staging = self.experts.engine.stats()
+        staging = self.experts.engine.served_stats()  # served traffic: without SGLang's warm-up request
         return {
             "experts": {"eligible_layers": rep.eligible_layers, "groups_per_layer": rep.groups_per_layer,
                         "shards_per_group": rep.group_experts, "offloaded_groups": rep.offloaded_groups,

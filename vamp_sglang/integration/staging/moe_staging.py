@@ -54,6 +54,7 @@ FlashInfer, DeepGEMM, triton_kernels, aiter) runs both GEMMs in one call and wai
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,7 @@ import torch
 
 from vamp_sglang.integration.staging.expert_order import per_expert_tensors, routing_group, routing_refusal
 from vamp_sglang.integration.staging.host_experts import HostExpertStats, host_refusal, run_moe_core_host
+from vamp_sglang.integration.staging.step_modes import host_step, moe_sees_local_tokens
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
 from vamp_sglang.memory.layout import ExpertLayout
@@ -223,7 +225,9 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
             torch.cuda.empty_cache()  # let the driver's pages reuse what torch just freed
     if layout.bound_groups:  # the eligible layers get staging breaks
         keep_moe_on_capture_stream(model, eligible)
-    host = HostExpertStats() if staging_policy == "host" else None
+    host_capable = staging_policy == "host" or (staging_policy == "auto" and backend.device.type == "cpu"
+                                                and bool(stores) and all(host_refusal(m) is None for m in eligible))
+    host = HostExpertStats() if host_capable else None  # auto picks host steps only where they can run (CPU)
     for layer in eligible if host is not None else ():
         if (reason := host_refusal(layer)) is not None:
             raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host cannot compute {reason}")
@@ -233,8 +237,9 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
 
         copier = GatherCopier(stores)
     engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
-                           staging="routed" if host is not None else staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
-                           routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)))
+                           staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
+                           routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)),
+                           host_capable=host_capable, trim_padding=moe_sees_local_tokens())
     residency = None
     if expert_order == "routing" and layout.bound_groups and stores:
         rows = [ExpertRows([s.w13, s.w2], [s.host_w13, s.host_w2], s.routed_experts,
@@ -268,9 +273,13 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
     index = experts.layout.eligible_index(layer.layer_id)
     if experts.residency is not None:  # logical ids counted, then mapped to the rows that hold them
         experts.residency.route(index, topk_ids)
-    if experts.host is not None and topk_ids is not None:  # no staging: the host half instead
-        return run_moe_core_host(original, layer, experts.stores[index], experts.host, index == 0,
-                                 kwargs.get("dispatch_output", args[0] if args else None))
+    if host_step(experts) and topk_ids is not None:  # no staging: the host half instead
+        dispatch = kwargs.get("dispatch_output", args[0] if args else None)
+        pairs, start = experts.host.pairs, time.perf_counter()
+        out = run_moe_core_host(original, layer, experts.stores[index], experts.host, index == 0, dispatch)
+        experts.engine.host_layer(experts.host.pairs - pairs, time.perf_counter() - start)
+        experts.engine.after_moe(layer.layer_id)  # the step's measured time, at the last eligible layer
+        return out
     if topk_ids is None:  # seen at capture (before any served step) or at the first eager forward
         experts.engine.chooser.without_routed_ids(layer.layer_id)
     staging_break()(experts.engine, layer.layer_id, topk_ids)
