@@ -2,6 +2,7 @@
 
     python -m vamp_sglang.capacity --model PATH_OR_NAME --gpu-mem-gib G --tp N [--dp D] [--ep E] [--mem-fraction F]
         [--h2d-gbps B] [--decode-ms D] [--trace FILE] [--ratios 0.1,0.15,...] [--json]
+        [--speculative-algorithm NEXTN|EAGLE|EAGLE3 [--speculative-draft-model-path DRAFT]]
 
 Every flag is checked before anything is read; a bad one exits with status 2 and names it.
 """
@@ -13,6 +14,7 @@ import json
 import math
 import sys
 
+from vamp_sglang.capacity.draft import ALGORITHM, ALGORITHMS, DRAFT_PATH, DRAFTS, check_flags
 from vamp_sglang.capacity.models import ModelConfigError, config_dtype, load_model_config
 from vamp_sglang.capacity.plan import CapacityError, CapacityModel, Deployment
 from vamp_sglang.capacity.report import build_report, format_table
@@ -79,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a measured start-up KV pool per GPU (GiB) instead of the estimate")
     p.add_argument("--hicache-gib", type=_number(float, 0, True),
                    help="HiCache host KV pool per GPU (GiB): adds host tokens and the host link's two costs")
+    p.add_argument(ALGORITHM, type=str.upper, choices=ALGORITHMS,
+                   help="speculative decoding as SGLang's flag: the draft's KV rows and weights count (NEXTN, or "
+                        "EAGLE without a draft path: the model's MTP layers)")
+    p.add_argument(DRAFT_PATH, help="the EAGLE/EAGLE3 draft's config.json, a directory holding one, or a built-in "
+                                    f"draft ({', '.join(DRAFTS)})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -94,11 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_flags(args.speculative_algorithm, args.speculative_draft_model_path)
+        if args.speculative_algorithm and args.hicache_gib is not None:
+            raise CapacityError(f"--hicache-gib with {ALGORITHM} is not planned: the host pool's draft rows are "
+                                "not priced")
         name, config = load_model_config(args.model)
         deployment = Deployment(
             gpu_mem_gib=args.gpu_mem_gib, tp=args.tp, dp=_dp(args), ep=args.ep, dtype=args.dtype or config_dtype(config),
             mem_fraction=args.mem_fraction, h2d_gbps=args.h2d_gbps, decode_ms=args.decode_ms,
-            page_size=args.page_size, max_total_tokens=args.max_total_tokens, kv_pool_gib=args.kv_pool_gib)
+            page_size=args.page_size, max_total_tokens=args.max_total_tokens, kv_pool_gib=args.kv_pool_gib,
+            speculative_algorithm=args.speculative_algorithm, draft_model_path=args.speculative_draft_model_path)
         model = CapacityModel.build(config, deployment)
         sessions = None
         if args.trace:

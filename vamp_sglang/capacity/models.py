@@ -84,7 +84,7 @@ _GLM_4_6 = {
     "model_type": "glm4_moe", "num_hidden_layers": 92, "hidden_size": 5120, "intermediate_size": 12288,
     "moe_intermediate_size": 1536, "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8,
     "first_k_dense_replace": 3, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 151552, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    "vocab_size": 151552, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 # GLM-4.5-Air (bf16; zai-org/GLM-4.5-Air, transformers' Glm4MoeConfig defaults): hidden 4096, 46 layers, the
 # first dense (10944), 128 routed experts of 1408 with top-8 and 1 shared, 96 query / 8 KV heads of 128.
 _GLM_4_5_AIR = {**_GLM_4_6, "num_hidden_layers": 46, "hidden_size": 4096, "intermediate_size": 10944,
@@ -162,15 +162,9 @@ def builtin_key(model: str) -> str:
 def load_model_config(model: str) -> tuple[str, dict[str, Any]]:
     """(name, config dict) for a directory holding `config.json`, a `config.json` file, or a built-in name
     (matched exactly up to case, organisation, variant words and revisions: see the module docstring)."""
-    path = Path(model)
-    file = path / "config.json" if path.is_dir() else path
+    file = config_file(model)
     if file.is_file():
-        try:
-            config = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelConfigError(f"--model {model}: cannot read {file}: {exc}") from None
-        if not isinstance(config, dict):
-            raise ModelConfigError(f"--model {model}: {file} is not a JSON object")
+        config = read_config(file, f"--model {model}")
         if refused := sorted(set(config.get("architectures") or ()) & set(NOT_PLANNED.values())):
             raise ModelConfigError(f"--model {model} ({refused[0]}) is not planned: VAMP refuses it, "
                                    f"{BY_ARCH[refused[0]].reason}")
@@ -189,6 +183,23 @@ def load_model_config(model: str) -> tuple[str, dict[str, Any]]:
         f"({', '.join(BUILTIN)}); a name must match one exactly, up to case, the organisation prefix, "
         f"-{'/-'.join(w.capitalize() for w in VARIANT_WORDS)} and a revision such as -2507 (a quantised "
         "variant such as -FP8 is a different model); pass the checkpoint's config.json otherwise")
+
+
+def config_file(path_or_name: str) -> Path:
+    """Where a config would be: `config.json` in a directory, or the path itself (which may not exist)."""
+    path = Path(path_or_name)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_config(file: Path, flag: str) -> dict[str, Any]:
+    """A config.json as a dict; a file that is not one is refused naming `flag` (the flag and its value)."""
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{flag}: cannot read {file}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{flag}: {file} is not a JSON object")
+    return config
 
 
 def config_dtype(config: dict[str, Any]) -> str:

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vamp_sglang.capacity.draft import DraftPlan, draft_plan
 from vamp_sglang.capacity.weights import dense_weight_bytes
 from vamp_sglang.memory.geometry import GeometryError, ModelGeometry, geometry_from_config, kv_heads_per_rank
 from vamp_sglang.memory.layout import ExpertLayout, kv_pages_per_buffer, kv_rows_for_bytes, pages_for_rows
@@ -68,6 +69,8 @@ class Deployment:
     page_bytes: int = PAGE_BYTES
     dp: int = 1  # DP attention degree (--enable-dp-attention --dp-size); 1: none
     ep: int = 1  # expert parallelism (--ep-size, standard dispatcher); 1: none
+    speculative_algorithm: str | None = None  # NEXTN, EAGLE or EAGLE3 (capacity/draft.py); None: no draft
+    draft_model_path: str | None = None  # --speculative-draft-model-path: a draft config.json or built-in name
 
     @property
     def attn_tp(self) -> int:
@@ -108,6 +111,7 @@ class CapacityModel:
     geometry: ModelGeometry
     deployment: Deployment
     baseline: Baseline
+    draft: DraftPlan | None = None  # speculative decoding's draft: its rows grow with the target's
 
     @classmethod
     def build(cls, config: Mapping[str, Any], deployment: Deployment) -> CapacityModel:
@@ -128,29 +132,38 @@ class CapacityModel:
             geo = dataclasses.replace(geo, kv_heads_per_rank=kv_heads_per_rank(config, d.attn_tp))
         expert = geo.expert_bytes_per_layer * len(geo.moe_layer_ids)
         dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp, d.ep)
-        kv_token = geo.kv_bytes_per_token
+        draft = None if d.speculative_algorithm is None else draft_plan(
+            d.speculative_algorithm, d.draft_model_path, config, geo, d.dtype, d.attn_tp, d.ep)
+        draft_weights = draft.weight_bytes if draft else 0
+        kv_token = geo.kv_bytes_per_token + (draft.kv_bytes_per_token if draft else 0)
         if d.kv_pool_gib is not None:
             tokens, source = math.floor(d.kv_pool_gib * GIB / kv_token), "measured"
         else:
             budget = d.gpu_mem_gib * GIB * d.mem_fraction
-            if budget <= expert + dense:
+            weights = expert + dense + draft_weights
+            if budget <= weights:
                 raise CapacityError(
                     f"--gpu-mem-gib {d.gpu_mem_gib} x --mem-fraction {d.mem_fraction} = {budget / GIB:.2f} GiB "
-                    f"does not hold the weights ({(expert + dense) / GIB:.2f} GiB per GPU at --tp {d.tp})")
-            tokens, source = math.floor((budget - expert - dense) / kv_token), "estimate"
+                    f"does not hold the weights ({weights / GIB:.2f} GiB per GPU at --tp {d.tp})")
+            tokens, source = math.floor((budget - weights) / kv_token), "estimate"
         if d.max_total_tokens is not None and d.max_total_tokens < tokens:
             tokens, source = d.max_total_tokens, "max-total-tokens"
         tokens -= tokens % d.page_size  # SGLang rounds the pool down to whole allocator pages
         if tokens <= 0:
             raise CapacityError(f"the KV pool at start holds no {d.page_size}-token page")
         pages = pages_for_rows(tokens + d.page_size, geo.kv_row_bytes, d.page_bytes, d.page_size)
-        return cls(geo, d, Baseline(expert, dense, tokens, pages, source))
+        return cls(geo, d, Baseline(expert, dense, tokens, pages, source), draft)
 
     @property
     def kv_buffers(self) -> int:
         """One K and one V buffer per layer that holds a KV cache, or MLA's one latent buffer per layer
-        (paper V-A splits the reclaimed pages over them)."""
-        return self.geometry.kv_buffers
+        (paper V-A splits the reclaimed pages over them), and the draft's, which grow with them."""
+        return self.geometry.kv_buffers + (self.draft.kv_buffers if self.draft else 0)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """SGLang's cell: the target's KV bytes per token and the draft layers' (paper IV-C's c, draft counted)."""
+        return self.geometry.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft else 0)
 
     def layout(self, ratio: float) -> ExpertLayout:
         geo = self.geometry

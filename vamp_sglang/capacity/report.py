@@ -23,13 +23,15 @@ def build_report(name: str, model: CapacityModel, ratios: dict[str, float], trac
         "geometry": {"local_experts": geo.local_experts, "routed_experts": geo.routed_experts,
                      "moe_intermediate_per_rank": geo.moe_intermediate_per_rank, "group_experts": lay.group_experts,
                      "groups_per_layer": lay.groups_per_layer, "eligible_layers": len(lay.eligible_layer_ids),
-                     "kv_bytes_per_token": geo.kv_bytes_per_token, "expert_gib_per_gpu": _gib(base.expert_bytes),
+                     "kv_bytes_per_token": model.kv_bytes_per_token, "expert_gib_per_gpu": _gib(base.expert_bytes),
                      "expert_scale_gib_per_gpu": _gib(geo.expert_scale_bytes_per_layer * len(geo.moe_layer_ids)),
                      "expert_weights": geo.expert_quant.describe() if geo.expert_quant else d.dtype,
                      "attention": "mla" if geo.mla_latent_dim else "mha", "kv_buffers": model.kv_buffers,
                      "dense_weight_gib_per_gpu": _gib(base.dense_bytes)},
         "baseline": baseline, "ratios": {}, "recommendation": None,
     }
+    if model.draft is not None:
+        report["draft"] = model.draft.to_json()
     for key, ratio in ratios.items():
         p = model.plan(ratio)
         report["ratios"][key] = {
@@ -68,6 +70,12 @@ def format_table(report: dict[str, Any]) -> str:
     if report["dp"] > 1:
         lines.append(f"DP attention: {report['dp']} DP ranks of attention-TP {report['attention_tp']}, one pool each "
                      f"(pool tokens per DP rank; the deployment holds {report['dp']} x as many distinct tokens)")
+    if "draft" in report:
+        dr = report["draft"]
+        lines.append(f"draft ({dr['algorithm']}): {dr['layers']} layer(s), {dr['kv_bytes_per_token']} KV bytes a token "
+                     f"in the cell, {dr['kv_buffers']} more buffers growing with the target's; weights "
+                     f"{dr['weight_bytes_per_gpu'] / GIB:.2f} GiB per GPU ({dr['expert_bytes_per_gpu'] / GIB:.2f} "
+                     "GiB routed experts, resident)")
     if report["ep"] > 1:
         lines.append(f"expert parallelism: EP {report['ep']}, each rank holds {geo['local_experts']} of the "
                      f"{geo['routed_experts']} routed experts, split over tp / ep = {report['tp'] // report['ep']} "

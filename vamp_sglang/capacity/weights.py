@@ -15,7 +15,7 @@ embeddings and LM head (vocab-parallel), the MoE routers, Qwen's shared-expert g
 
 Left out: norms, biases, DeepSeek's e_score_correction_bias (each well under 0.1%), and the copies SGLang
 makes of an MLA layer's kv_b_proj for the absorbed decode (w_kc / w_vc, ~0.3% of DeepSeek-V3 at TP8), and
-DeepSeek's multi-token-prediction layer (loaded only with speculative decoding).
+DeepSeek's multi-token-prediction layer (loaded only with speculative decoding: capacity/draft.py prices it).
 """
 
 from __future__ import annotations

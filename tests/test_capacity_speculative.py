@@ -1,0 +1,127 @@
+"""The capacity planner with speculative decoding (issue 46): the draft layer's KV rows grow with the target's,
+and its weights (DeepSeek's MTP layer with its 256 resident routed experts) leave less for the start-up pool.
+
+SGLang 0.5.23 sizes the shared pool with the draft's layers in the cell (model_executor/pool_configurator.py:
+259-314: cell x (1 + draft layers / target KV layers)) and counts the draft's weights, loaded before the pool
+is sized (managers/scheduler.py:1128-1137, mem_cache/kv_cache_configurator.py:3042).
+"""
+
+import json
+
+import pytest
+from test_capacity import _refused, _run
+
+from vamp_sglang.capacity.draft import DRAFTS
+from vamp_sglang.capacity.models import BUILTIN
+from vamp_sglang.capacity.plan import GIB
+from vamp_sglang.memory.geometry import geometry_from_config
+from vamp_sglang.memory.layout import kv_pages_per_buffer, kv_rows_for_bytes
+
+DEEPSEEK_TP8 = ["--model", "deepseek-v3", "--gpu-mem-gib", "140", "--tp", "8", "--ratios", "0.05,0.1", "--json"]
+QWEN_TP4 = ["--model", "qwen3-235b-a22b", "--gpu-mem-gib", "140", "--tp", "4", "--ratios", "0.1,0.2", "--json"]
+EAGLE3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "qwen3-235b-a22b-eagle3"]
+PAGE = 2 << 20
+
+
+def _gain(report, key):
+    return report["ratios"][key]["kv_pool_tokens"] - report["baseline"]["kv_pool_tokens"]
+
+
+def test_deepseek_v3_mtp_adds_one_mla_layer_of_kv_and_its_resident_experts_to_the_weights(capsys):
+    """NEXTN on DeepSeek-V3 at TP8: the MTP layer is one more MLA layer (576 x 2 bytes a token, 62 latent buffers
+    instead of 61) and one more MoE layer whose 256 routed experts (an eighth of each on every rank) stay
+    resident; the pool at ratio 0 holds (budget - every weight) / 71,424 bytes."""
+    plain = _run(DEEPSEEK_TP8, capsys)
+    spec = _run([*DEEPSEEK_TP8, "--speculative-algorithm", "NEXTN"], capsys)
+    g, d = spec["geometry"], spec["draft"]
+    assert (d["algorithm"], d["layers"], d["kv_buffers"]) == ("NEXTN", 1, 1)
+    assert (g["kv_bytes_per_token"], g["kv_buffers"]) == (70272 + 1152, 62)
+    assert d["kv_bytes_per_token"] == 1152
+    geo = geometry_from_config(BUILTIN["deepseek-v3"], 8, "bfloat16")
+    assert d["expert_bytes_per_gpu"] == geo.expert_bytes_per_layer  # one MoE layer's routed experts, this rank
+    # the rest: one MLA attention, the shared expert and router, eh_proj [7168, 14336] bf16, and the draft's own
+    # embedding and head (vocab-parallel, freed only after the pool is sized), within a few MiB of priced parts
+    embed_head = 2 * 129280 * 7168 // 8 * 2
+    assert d["weight_bytes_per_gpu"] - d["expert_bytes_per_gpu"] > embed_head + 7168 * 14336 * 2
+    weights = (g["expert_gib_per_gpu"] + g["dense_weight_gib_per_gpu"]) * GIB + d["weight_bytes_per_gpu"]
+    budget = 140 * GIB * 0.9
+    assert spec["baseline"]["kv_pool_tokens"] == pytest.approx((budget - weights) / 71424, abs=2)
+    assert spec["baseline"]["kv_pool_tokens"] < plain["baseline"]["kv_pool_tokens"] * 70272 / 71424
+    for key in ("0.05", "0.1"):  # the same groups free the same pages, now split over 62 buffers
+        assert spec["ratios"][key]["offloaded_groups"] == plain["ratios"][key]["offloaded_groups"]
+        assert spec["ratios"][key]["reclaimed_bytes_per_gpu"] == plain["ratios"][key]["reclaimed_bytes_per_gpu"]
+        pages = kv_pages_per_buffer(spec["ratios"][key]["offloaded_groups"],
+                                    plain["ratios"][key]["reclaimed_bytes_per_gpu"]
+                                    // spec["ratios"][key]["offloaded_groups"] // PAGE, 62)
+        assert _gain(spec, key) == pytest.approx(kv_rows_for_bytes(pages * PAGE, 1152), abs=2)
+        assert _gain(spec, key) < _gain(plain, key)
+        assert spec["ratios"][key]["staged_bytes_per_step"] == plain["ratios"][key]["staged_bytes_per_step"]
+
+
+def test_eagle3_draft_for_qwen3_235b_adds_one_llama_layer_of_the_targets_kv_row(capsys):
+    """Qwen3-235B at TP4 with its EAGLE3 draft (SpecForge's configs/qwen3-235B-A22B-eagle3.json: one Llama layer,
+    hidden 4096, 64 heads, 4 KV heads of 128, draft vocab 32,000): one more K and V buffer of the target's row
+    (one KV head of 128 per rank), and the draft's weights priced on this rank's shard."""
+    plain = _run(QWEN_TP4, capsys)
+    spec = _run([*QWEN_TP4, *EAGLE3], capsys)
+    d, g = spec["draft"], spec["geometry"]
+    assert (d["algorithm"], d["layers"], d["kv_buffers"], d["expert_bytes_per_gpu"]) == ("EAGLE3", 1, 2, 0)
+    assert g["kv_bytes_per_token"] == plain["geometry"]["kv_bytes_per_token"] + 2 * 128 * 2
+    assert g["kv_buffers"] == plain["geometry"]["kv_buffers"] + 2
+    draft = DRAFTS["qwen3-235b-a22b-eagle3"]
+    h, v, dv, inter = draft["hidden_size"], draft["vocab_size"], draft["draft_vocab_size"], draft["intermediate_size"]
+    qkv = (64 * 128 + 2 * 4 * 128) * 2 * h // 4  # the input layer reads [embedding, hidden]: 2h wide
+    expect = 2 * (v * h // 4 + dv * h // 4 + 3 * 4096 * h + qkv + h * 64 * 128 // 4 + 3 * inter * h // 4)
+    assert d["weight_bytes_per_gpu"] == expect
+    assert spec["baseline"]["kv_pool_tokens"] < plain["baseline"]["kv_pool_tokens"]
+    for key in ("0.1", "0.2"):  # whole pages per buffer: 190 buffers may get as many as 188 did, never more
+        assert 0 < _gain(spec, key) <= _gain(plain, key)
+        groups = spec["ratios"][key]["offloaded_groups"]
+        pages = kv_pages_per_buffer(groups, spec["ratios"][key]["reclaimed_bytes_per_gpu"] // groups // PAGE, 190)
+        assert _gain(spec, key) == pytest.approx(kv_rows_for_bytes(pages * PAGE, 256), abs=1)
+
+
+def test_the_text_table_names_the_draft(capsys):
+    from vamp_sglang.capacity.__main__ import main
+
+    assert main([*[a for a in DEEPSEEK_TP8 if a != "--json"], "--speculative-algorithm", "EAGLE"]) == 0
+    out = capsys.readouterr().out
+    assert "draft (EAGLE): 1 layer" in out and "resident" in out
+
+
+def test_a_draft_config_json_is_read_like_the_builtin(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**DRAFTS["qwen3-235b-a22b-eagle3"], "architectures": ["LlamaForCausalLMEagle3"]}))
+    builtin = _run([*QWEN_TP4, *EAGLE3], capsys)
+    local = _run([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)],
+                 capsys)
+    assert local["draft"] | {"source": None} == builtin["draft"] | {"source": None}
+    assert local["ratios"] == builtin["ratios"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    ([*QWEN_TP4, "--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
+    ([*QWEN_TP4, "--speculative-draft-model-path", "qwen3-235b-a22b-eagle3"], "--speculative-algorithm"),
+    ([*QWEN_TP4, "--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN"),
+    (["--model", "kimi-k2", "--gpu-mem-gib", "140", "--tp", "8", "--speculative-algorithm", "EAGLE"],
+     "--speculative-algorithm EAGLE"),
+    ([*DEEPSEEK_TP8, "--speculative-algorithm", "NEXTN", "--speculative-draft-model-path",
+      "qwen3-235b-a22b-eagle3"], "--speculative-draft-model-path"),
+    ([*QWEN_TP4, "--speculative-algorithm", "STANDALONE"], "--speculative-algorithm"),
+    ([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "no-such-draft"],
+     "--speculative-draft-model-path"),
+    (["--model", "qwen3-next-80b-a3b", "--gpu-mem-gib", "140", "--tp", "4", "--speculative-algorithm", "NEXTN"],
+     "--speculative-algorithm"),
+    ([*QWEN_TP4, *EAGLE3, "--hicache-gib", "100"], "--hicache-gib"),
+])
+def test_a_draft_the_planner_cannot_price_exits_2_naming_the_flag(argv, named, capsys):
+    assert named in _refused(argv, capsys)
+
+
+def test_a_draft_whose_kv_row_differs_from_the_targets_is_refused(tmp_path, capsys):
+    """VAMP grows the draft's buffers by the target's row count, which needs equal rows (draft_pools.py); a draft
+    with 8 KV heads against Qwen3-235B's 4 has two heads per rank at TP4, twice the target's row."""
+    (tmp_path / "config.json").write_text(json.dumps({**DRAFTS["qwen3-235b-a22b-eagle3"], "num_key_value_heads": 8}))
+    err = _refused([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)],
+                   capsys)
+    assert "--speculative-draft-model-path" in err and "KV row" in err

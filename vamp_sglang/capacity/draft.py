@@ -1,0 +1,169 @@
+"""The draft model of speculative decoding in the capacity plan: its KV rows and its weights, per TP rank.
+
+Why: SGLang 0.5.23 builds the draft's KV pool with the target's row count and allocator, so one pool size
+holds target and draft rows alike. It sizes that pool with the draft's layers in the cell, assuming the
+draft's rows equal the target's (model_executor/pool_configurator.py:259-314: cell x (1 + draft layers /
+target KV layers)), and it loads the draft's weights before sizing it (managers/scheduler.py:1128-1137;
+mem_cache/kv_cache_configurator.py:3042 "Loaded weights (target + draft)"). VAMP then grows the draft's
+buffers with the target's (integration/memory/draft_pools.py), so an offloaded group's pages split over
+the target's and the draft's buffers together, and a group buys fewer tokens than without a draft.
+
+What the draft is, as SGLang resolves it (model_runner_components/spec_aux_hidden_state.py:131-178):
+- NEXTN, or EAGLE without `--speculative-draft-model-path`: the target's own MTP layers
+  (`num_nextn_predict_layers`; DeepSeek-V3/R1 and GLM-4.5/4.6: one). Each is one more decoder layer of the
+  target's kind (DeepSeek: MLA and an MoE layer with every routed expert, which VAMP keeps resident: the
+  draft runs it every step and it is not paged), plus `eh_proj` [H, 2H] (a plain nn.Linear in the model dtype,
+  models/deepseek_nextn.py:102) and its own embedding and LM head, held until the draft shares the target's
+  after the pool is sized (speculative/eagle_worker_v2.py:258, deepseek_v2.py set_embed_and_head).
+- EAGLE or EAGLE3 with a draft path: a Llama draft of `num_hidden_layers` layers (models/llama_eagle.py,
+  llama_eagle3.py): an embedding (shared after sizing), `fc` (EAGLE: 2H -> H; EAGLE3: one target hidden
+  state per auxiliary layer, three by default, -> H), the layers (EAGLE3's first reads [embedding, hidden]:
+  2H wide into qkv), and an LM head over `draft_vocab_size`.
+Arithmetic only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vamp_sglang.capacity.models import config_file, read_config
+from vamp_sglang.capacity.weights import dense_weight_bytes
+from vamp_sglang.memory.geometry import (
+    DTYPE_BYTES,
+    ModelGeometry,
+    config_int,
+    geometry_from_config,
+    kv_heads_per_rank,
+)
+
+ALGORITHM = "--speculative-algorithm"
+DRAFT_PATH = "--speculative-draft-model-path"
+ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")  # the draft algorithms VAMP serves (refusals/speculative.py)
+
+# Built-in draft configs, as published. qwen3-235b-a22b-eagle3: the EAGLE3 head SGLang's cookbook serves for
+# Qwen3-235B-A22B (lmsys/Qwen3-235B-A22B-EAGLE3), SpecForge's configs/qwen3-235B-A22B-eagle3.json.
+DRAFTS: dict[str, dict[str, Any]] = {
+    "qwen3-235b-a22b-eagle3": {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": 4096, "intermediate_size": 24576, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "head_dim": 128, "vocab_size": 151936, "draft_vocab_size": 32000, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 46, 90], "use_aux_hidden_state": True},
+        "torch_dtype": "bfloat16"},
+}
+
+
+class DraftError(ValueError):
+    """A draft the planner cannot price; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One TP rank's share of the draft: what it adds to the pool's cell and buffers, and its weights."""
+
+    algorithm: str
+    layers: int  # draft KV layers (SGLang's eagle_draft_num_layers)
+    kv_buffers: int  # draft buffers VAMP grows with the target's (MLA: one a layer; K and V otherwise)
+    kv_bytes_per_token: int  # what SGLang adds to the cell: target cell x draft layers / target KV layers
+    weight_bytes: int  # every draft weight on this rank when the pool is sized
+    expert_bytes: int  # the part of weight_bytes in routed experts: resident, never offloaded
+    source: str  # "mtp" (the target's own layers), a built-in draft name or a config.json path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm, "layers": self.layers, "kv_buffers": self.kv_buffers,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "weight_bytes_per_gpu": self.weight_bytes,
+                "expert_bytes_per_gpu": self.expert_bytes, "source": self.source}
+
+
+def check_flags(algorithm: str | None, draft_path: str | None) -> None:
+    """The flag combinations SGLang would serve: EAGLE3 needs a draft; NEXTN reads the target's MTP layers."""
+    if draft_path and not algorithm:
+        raise DraftError(f"{DRAFT_PATH} needs {ALGORITHM} (EAGLE or EAGLE3)")
+    if algorithm == "EAGLE3" and not draft_path:
+        raise DraftError(f"{ALGORITHM} EAGLE3 needs {DRAFT_PATH}: the draft's config.json, or a built-in draft "
+                         f"({', '.join(DRAFTS)})")
+    if algorithm == "NEXTN" and draft_path:
+        raise DraftError(f"{ALGORITHM} NEXTN runs the target's own MTP layers; drop {DRAFT_PATH} (or use EAGLE)")
+
+
+def load_draft_config(draft_path: str) -> tuple[str, dict[str, Any]]:
+    """(source, config) of a draft: a config.json, a directory holding one, or a built-in draft name."""
+    file = config_file(draft_path)
+    if file.is_file():
+        return str(file), read_config(file, f"{DRAFT_PATH} {draft_path}")
+    if draft_path.lower().rsplit("/", 1)[-1] in DRAFTS:
+        key = draft_path.lower().rsplit("/", 1)[-1]
+        return key, json.loads(json.dumps(DRAFTS[key]))
+    raise DraftError(f"{DRAFT_PATH} {draft_path!r} is neither a config.json (or a directory holding one) nor a "
+                     f"built-in draft ({', '.join(DRAFTS)})")
+
+
+def draft_plan(algorithm: str, draft_path: str | None, config: Mapping[str, Any], geo: ModelGeometry,
+               dtype: str, attn_tp: int, ep: int) -> DraftPlan:
+    """The draft `algorithm` (and `draft_path`) add to a target of geometry `geo` on one rank."""
+    check_flags(algorithm, draft_path)
+    if len(geo.kv_layer_ids) != geo.num_layers:
+        raise DraftError(f"{ALGORITHM} {algorithm} on a hybrid model: VAMP refuses speculation there (the state "
+                         "pool's per-draft-token tensors do not grow)")
+    if draft_path is None:
+        return _mtp_plan(algorithm, config, geo, dtype, attn_tp, ep)
+    source, draft = load_draft_config(draft_path)
+    layers = config_int(draft, "num_hidden_layers")
+    heads = config_int(draft, "num_attention_heads")
+    head_dim = int(draft.get("head_dim") or config_int(draft, "hidden_size") // heads)
+    row = kv_heads_per_rank(draft, attn_tp) * head_dim * DTYPE_BYTES[dtype]
+    if geo.mla_latent_dim or row != geo.kv_row_bytes:
+        raise DraftError(f"{DRAFT_PATH} {draft_path}: the draft's KV row ({row} B per buffer on each of the "
+                         f"{attn_tp} attention-TP ranks) differs from the target's ({geo.kv_row_bytes} B"
+                         f"{', MLA' if geo.mla_latent_dim else ''}); VAMP grows both pools by one row count, "
+                         "which needs equal rows")
+    weights = _llama_draft_bytes(draft, geo.hidden_size, geo.tp_size, attn_tp, DTYPE_BYTES[dtype],
+                                 eagle3=algorithm == "EAGLE3")
+    return DraftPlan(algorithm, layers, 2 * layers, _sglang_draft_cell(geo, layers), weights, 0, source)
+
+
+def _sglang_draft_cell(geo: ModelGeometry, layers: int) -> int:
+    """pool_configurator.py:311: int(cell x draft layers / target KV layers)."""
+    return geo.kv_bytes_per_token * layers // len(geo.kv_layer_ids)
+
+
+def _mtp_plan(algorithm: str, config: Mapping[str, Any], geo: ModelGeometry, dtype: str, attn_tp: int,
+              ep: int) -> DraftPlan:
+    """The target's MTP layers: each priced as one more decoder layer of the target's (the same MoE layer rule,
+    so DeepSeek's is a MoE layer), with eh_proj and the draft's own embedding and head."""
+    layers = int(config.get("num_nextn_predict_layers") or 0)
+    if layers < 1:
+        raise DraftError(f"{ALGORITHM} {algorithm} without {DRAFT_PATH} runs the model's MTP layers, and this "
+                         "model has none (num_nextn_predict_layers 0); pass an EAGLE draft")
+    more = {**config, "num_hidden_layers": config_int(config, "num_hidden_layers") + layers}
+    geo_more = geometry_from_config(more, geo.tp_size, dtype, ep)
+    experts = (len(geo_more.moe_layer_ids) - len(geo.moe_layer_ids)) * geo.expert_bytes_per_layer
+    layer_bytes = dense_weight_bytes(more, geo.tp_size, dtype, attn_tp, ep) \
+        - dense_weight_bytes(config, geo.tp_size, dtype, attn_tp, ep)
+    element, hidden = DTYPE_BYTES[dtype], geo.hidden_size
+    embed_head = 2 * (config_int(config, "vocab_size") * hidden // geo.tp_size * element)
+    weights = experts + layer_bytes + layers * 2 * hidden * hidden * element + embed_head  # eh_proj [H, 2H]
+    return DraftPlan(algorithm, layers, layers * geo.kv_buffers_per_layer, _sglang_draft_cell(geo, layers),
+                     weights, experts, "mtp")
+
+
+def _llama_draft_bytes(draft: Mapping[str, Any], target_hidden: int, tp: int, attn_tp: int, element: int,
+                       eagle3: bool) -> int:
+    """A Llama EAGLE/EAGLE3 draft on one rank, in the model dtype: embedding and LM head vocab-parallel, qkv
+    and gate/up column-parallel, o and down row-parallel, fc replicated (a plain nn.Linear)."""
+    hidden, layers = config_int(draft, "hidden_size"), config_int(draft, "num_hidden_layers")
+    heads, inter = config_int(draft, "num_attention_heads"), config_int(draft, "intermediate_size")
+    head_dim = int(draft.get("head_dim") or hidden // heads)
+    kv_rows = kv_heads_per_rank(draft, attn_tp) * head_dim  # KV heads replicated below attn-TP
+    vocab = config_int(draft, "vocab_size")
+    draft_vocab = int(draft.get("draft_vocab_size") or vocab)
+    aux = len((draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+    fc_in = int(draft.get("target_hidden_size") or target_hidden) * aux if eagle3 else 2 * hidden
+    total = vocab * hidden // tp + draft_vocab * hidden // tp + fc_in * hidden
+    for layer in range(layers):
+        width = 2 * hidden if eagle3 and layer == 0 else hidden
+        total += (heads * head_dim // attn_tp + 2 * kv_rows) * width + hidden * heads * head_dim // attn_tp
+        total += 3 * inter * hidden // tp
+    return total * element
