@@ -58,7 +58,7 @@ BAD_FLAGS = [
     (["--vamp-tpot-slo-ms", "fast"], "--vamp-tpot-slo-ms"),
     (["--vamp-staging", "fast"], "--vamp-staging"),
     (["--vamp-staging", ""], "--vamp-staging"),
-    (["--vamp-staging", "host", "--device", "cuda"], "--vamp-staging"),
+    (["--vamp-staging", "host", "--device", "cuda", "--moe-runner-backend", "flashinfer_cutlass"], "--vamp-staging"),
     (["--vamp-expert-order", "hot"], "--vamp-expert-order"),
     (["--vamp-tree-core", "c"], "--vamp-tree-core"),
     (["--vamp-tree-core", "rust", "--enable-session-radix-cache"], "--vamp-tree-core"),

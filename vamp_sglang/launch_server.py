@@ -126,9 +126,10 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     device = sg.device or "cuda"
     if vamp.page_backend == "cuda" and device != "cuda":
         raise ConfigError(f"--vamp-page-backend cuda needs --device cuda (got --device {device})")
-    if vamp.staging == "host" and device == "cuda":  # integration/staging/host_experts.py
-        raise ConfigError("--vamp-staging host is built for --device cpu so far (on a GPU its host half needs "
-                          "an eager graph break): use auto, whole or routed")
+    if vamp.staging == "host" and device == "cuda" and sg.moe_runner_backend not in (None, "auto", "triton"):
+        raise ConfigError(f"--vamp-staging host on a GPU needs SGLang's Triton MoE runner, which skips the -1 ids "
+                          f"of the host's slots (got --moe-runner-backend {sg.moe_runner_backend}): use auto, "
+                          f"whole or routed staging")  # integration/staging/host_experts_cuda.py
     if vamp.page_backend == "host" and device == "cuda":
         raise ConfigError("--vamp-page-backend host is for --device cpu; use cuda or auto on a GPU")
     if vamp.expert_order == "routing" and sg.moe_runner_backend not in (None, "auto", "triton"):

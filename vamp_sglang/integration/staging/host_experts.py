@@ -12,10 +12,11 @@ layer's output is the kernel's plus the host half. Under tensor parallelism each
 every offloaded expert, so its host half is the same partial sum its kernel would have made, and the
 all-reduce after the MoE adds the ranks' halves as it adds their kernels'.
 
-Built for `--device cpu` (the launcher refuses it on CUDA): the split reads on the host which slots are
-cold, a sync a captured graph would need an eager break for; on CPUs with Intel AMX SGLang runs its fused
-CPU kernel instead of the native MoE, which was not checked with -1 ids. Unquantised SiLU experts without
-a routed scaling factor only (`host_refusal`).
+Here the CPU path: the split reads on the host which slots are cold, which on a GPU would be a sync
+inside the graph; there the same split and `cold_output` run around the kernel in two eager graph breaks,
+the activations crossing through pinned buffers (host_experts_cuda.py). On CPUs with Intel AMX SGLang runs
+its fused CPU kernel instead of the native MoE, which was not checked with -1 ids. Unquantised SiLU
+experts without a routed scaling factor only (`host_refusal`).
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def host_refusal(layer: Any) -> str | None:
 
 
 def cold_output(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, cold: torch.Tensor,
-                store: ExpertStore) -> tuple[torch.Tensor, int]:
-    """The cold slots' weighted expert outputs [tokens, hidden] from the host copy, and their count."""
-    offset, out = host_offset(store), torch.zeros_like(x)
+                store: ExpertStore, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The cold slots' weighted expert outputs [tokens, hidden] from the host copy, and their count;
+    written into `out` when given (the GPU path's pinned buffer, reused every step)."""
+    offset = host_offset(store)
+    out = torch.zeros_like(x) if out is None else out.zero_()
     tokens, slots = cold.nonzero(as_tuple=True)
     picked = ids[tokens, slots]
     host = store.host_w13.device

@@ -44,6 +44,10 @@ staging break and the kernel read physical rows; the Repartitioner swaps rows, h
 tensors inside each offload or restore, so the offloaded rows hold the least-routed experts (which
 layers may be reordered, and over which ranks counts are summed: expert_order.py).
 
+Host experts (issue 49, `--vamp-staging host`): no staging; the slots routed to offloaded rows are masked
+for the kernel and computed from the host copies, on the CPU before the kernel (host_experts.py), on CUDA
+in two breaks around it, the kernel overlapping the CPU's matmuls (host_experts_cuda.py).
+
 Paper V-B: the gate-up GEMM needs only w13, so where SGLang runs the two GEMMs as separate launches
 (its Triton MoE: two `invoke_fused_moe_kernel` calls in `_fused_moe_kernel_sequence`) the layer waits
 for w13 at `before_moe` and for w2 right before the down GEMM (`invoke_fused_moe_kernel_staged`, a
@@ -63,6 +67,11 @@ import torch
 
 from vamp_sglang.integration.staging.expert_order import per_expert_tensors, routing_group, routing_refusal
 from vamp_sglang.integration.staging.host_experts import HostExpertStats, host_refusal, run_moe_core_host
+from vamp_sglang.integration.staging.host_experts_cuda import (
+    CudaCopies,
+    HostRoundTrip,
+    run_moe_core_host_cuda,
+)
 from vamp_sglang.integration.staging.step_modes import host_step, moe_sees_local_tokens
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.experts import ExpertStore
@@ -93,6 +102,7 @@ class ModelExperts:
     w2_owners: dict[int, int] = field(default_factory=dict)  # store.w2.data_ptr() -> its layer_id
     residency: Residency | None = None  # --vamp-expert-order routing: which experts an offload takes
     host: HostExpertStats | None = None  # --vamp-staging host: cold experts computed from the host copies
+    host_trip: HostRoundTrip | None = None  # ... on CUDA: their round trip around the kernel, two breaks
 
     @property
     def offloaded_groups(self) -> int:
@@ -231,12 +241,18 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
     for layer in eligible if host is not None else ():
         if (reason := host_refusal(layer)) is not None:
             raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host cannot compute {reason}")
+        if backend.device.type == "cuda" and not splits_w2_wait([layer], backend.device):  # -1 ids skipped
+            raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host on a GPU needs SGLang's "
+                                        f"Triton MoE runner, which skips the -1 ids of the host's slots")
+    trip = HostRoundTrip(CudaCopies(backend.device), host) if host is not None and stores and \
+        backend.device.type == "cuda" else None
     copier = None
     if backend.device.type == "cuda" and staging_policy != "whole" and stores:
         from vamp_sglang.integration.staging.routed_gather import GatherCopier
 
         copier = GatherCopier(stores)
-    engine = StagingEngine(stores, mode=staging_mode, split_w2_wait=splits_w2_wait(eligible, backend.device),
+    engine = StagingEngine(stores, mode=staging_mode,
+                           split_w2_wait=host is None and splits_w2_wait(eligible, backend.device),
                            staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
                            routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)),
                            host_capable=host_capable, trim_padding=moe_sees_local_tokens())
@@ -246,7 +262,7 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
                            per_expert_tensors(m, layout.local_experts)) for s, m in zip(stores, eligible)]
         residency = Residency(rows, backend.device, group=routing_group(eligible[0]))
     return ModelExperts(backend, layout, staging, stores, engine, {m.layer_id: m for m in eligible},
-                        {s.w2.data_ptr(): s.layer_id for s in stores}, residency, host)
+                        {s.w2.data_ptr(): s.layer_id for s in stores}, residency, host, trip)
 
 
 def keep_moe_on_capture_stream(model: torch.nn.Module, layers: list[Any]) -> None:
@@ -275,6 +291,9 @@ def run_moe_core_staged(experts: ModelExperts, original: Callable, layer: Any, *
         experts.residency.route(index, topk_ids)
     if host_step(experts) and topk_ids is not None:  # no staging: the host half instead
         dispatch = kwargs.get("dispatch_output", args[0] if args else None)
+        if experts.host_trip is not None:
+            return run_moe_core_host_cuda(original, layer, experts.stores[index], experts.host_trip, index == 0,
+                                          dispatch)
         pairs, start = experts.host.pairs, time.perf_counter()
         out = run_moe_core_host(original, layer, experts.stores[index], experts.host, index == 0, dispatch)
         experts.engine.host_layer(experts.host.pairs - pairs, time.perf_counter() - start)
@@ -368,7 +387,7 @@ def staging_break() -> Callable[[StagingEngine, int, torch.Tensor | None], None]
 
 def staging_breaks(experts: ModelExperts | None) -> int:
     """Eager breaks one forward adds to a breakable CUDA graph: one per eligible layer that can offload,
-    two with split w13/w2 waits. Graphs are never refused because of offloading."""
+    two with split w13/w2 waits or host experts on CUDA. Graphs are never refused because of offloading."""
     if experts is None or not experts.layout.bound_groups:
         return 0
-    return len(experts.layers) * (2 if experts.engine.split_w2_wait else 1)
+    return len(experts.layers) * (2 if experts.engine.split_w2_wait or experts.host_trip is not None else 1)

@@ -1,0 +1,225 @@
+"""`--vamp-staging host` on a GPU (issue 49), every part the CUDA path shares, checked here on the CPU: the
+in-place split for the kernel, the round trip's snapshot / D2H / host half / H2D / add over reused buffers
+(through a stand-in for the CUDA copies that logs its calls), the two breaks through SGLang's real
+`eager_on_graph` in a stand-in breakable capture replayed after offloads, and the launcher's refusal, which
+now names only the MoE runners that do not skip -1 ids. The CUDA copies themselves: tests/
+test_host_experts_cuda_gpu.py and eval/gpu_check.py section `host_experts`."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_host_experts import Combine, Dispatch, TopK
+from test_residency import moe_with_ids
+from test_staging import HIDDEN, LAYERS, TOP_K, model  # noqa: F401 (model: the paged stores)
+from test_staging_graphs import StandInCapture
+
+from vamp_sglang import launch_server
+from vamp_sglang.config import ConfigError
+from vamp_sglang.integration.staging import moe_staging
+from vamp_sglang.integration.staging.host_experts import HostExpertStats
+from vamp_sglang.integration.staging.host_experts_cuda import MIN_TOKENS, HostRoundTrip, mask_cold_
+from vamp_sglang.memory.staging import StagingEngine
+
+
+class LoggedCopies:
+    """The CPU stand-in for CudaCopies: plain buffers, each copy done at once, every call logged."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def host_buffer(self, shape, dtype):
+        self.log.append("host_buffer")
+        return torch.full(shape, 7, dtype=dtype)  # stale contents: only a copy makes them right
+
+    def device_buffer(self, shape, dtype):
+        self.log.append("device_buffer")
+        return torch.full(shape, 7, dtype=dtype)
+
+    def refuse_capture(self):
+        self.log.append("refuse_capture")
+
+    def to_host(self, pairs):
+        self.log.append("to_host")
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def wait_host(self):
+        self.log.append("wait_host")
+
+    def to_device(self, dst, src):
+        self.log.append("to_device")
+        dst.copy_(src)
+
+    def idle(self):
+        self.log.append("idle")
+
+
+def kernel_skipping(store, seen=None):
+    """The device kernel over the paged tensors, skipping -1 slots as SGLang's Triton MoE does."""
+    def kernel(_layer, dispatch_output):
+        topk = dispatch_output.topk_output
+        if seen is not None:
+            seen.append(topk.topk_ids.clone())
+        skipped = topk.topk_ids < 0
+        return Combine(moe_with_ids(dispatch_output.hidden_states, topk.topk_weights.masked_fill(skipped, 0),
+                                    topk.topk_ids.clamp_min(0), store.w13, store.w2))
+    return kernel
+
+
+def routes(router, x):
+    gates, ids = torch.topk(torch.softmax(x @ router.T, dim=-1), TOP_K, dim=-1)
+    return gates / gates.sum(dim=-1, keepdim=True), ids
+
+
+@pytest.fixture
+def paged(model):  # noqa: F811 (the fixture imported above)
+    backend, weights, layout, stores = model
+    return SimpleNamespace(backend=backend, weights=weights, layout=layout, stores=stores)
+
+
+def offload(stores, groups):
+    for store in stores:
+        for handle in store.offload_tail_pages(groups):
+            store.backend.release(handle)
+        for dst, _ in store.staging_pairs():
+            dst.fill_(float("nan"))  # stale slots: a kernel that reads an offloaded row gives NaN
+
+
+def test_the_split_masks_offloaded_rows_only():
+    ids = torch.tensor([[0, 5, 7], [6, -1, 8], [3, 4, 9]], dtype=torch.int32)
+    weights = torch.full((3, 3), 0.5)
+    mask_cold_(ids, weights, boundary=5, routed=8)  # rows 5..7 offloaded, 8+ fused shared experts
+    assert ids.tolist() == [[0, -1, -1], [-1, -1, 8], [3, 4, 9]]
+    assert weights.tolist() == [[0.5, 0.0, 0.0], [0.0, 0.5, 0.5], [0.5, 0.5, 0.5]]
+
+
+def test_round_trip_adds_the_host_half_to_the_masked_kernel(paged):
+    store, (w13, w2, router) = paged.stores[0], paged.weights[LAYERS[1]]
+    offload([store], store.layout.bound_groups)
+    copies, stats, seen = LoggedCopies(), HostExpertStats(), []
+    trip = HostRoundTrip(copies, stats)
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(3))
+    gates, ids = routes(router, x)
+    want = moe_with_ids(x, gates, ids, w13, w2)
+    cold = int(((ids >= store.boundary_expert) & (ids < store.routed_experts)).sum())
+    live_ids, live_gates = ids.clone(), gates.clone()  # the graph's buffers, masked in place by `send`
+    trip.send(store, True, x, live_ids, live_gates)
+    out = kernel_skipping(store, seen)(None, Dispatch(x, TopK(live_gates, live_ids)))
+    trip.add(out.hidden_states)
+    assert cold > 0 and stats.as_dict() == {"pairs": cold, "steps": 1, "pairs_per_step": float(cold)}
+    assert int((seen[0] < 0).sum()) == cold and int(seen[0].max()) < store.boundary_expert
+    assert torch.allclose(out.hidden_states, want, atol=1e-5, rtol=0)
+    assert copies.log == ["refuse_capture", "idle"] + ["device_buffer"] * 4 + ["host_buffer"] * 4 + [
+        "to_host", "wait_host", "to_device"]
+    assert torch.equal(trip.buffers.host_ids[:12], ids)  # the host saw the ids from before the mask
+
+
+def test_buffers_are_reused_and_grow_only_after_the_copies_are_idle(paged):
+    store, (_w13, _w2, router) = paged.stores[0], paged.weights[LAYERS[1]]
+    offload([store], store.layout.bound_groups)
+    copies = LoggedCopies()
+    trip = HostRoundTrip(copies, HostExpertStats())
+    gen = torch.Generator().manual_seed(4)
+    pointers = set()
+    for tokens in (1, 5, MIN_TOKENS, 3):
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        trip.send(store, False, x, *reversed(routes(router, x)))
+        trip.add(torch.zeros(tokens, HIDDEN))
+        pointers.add(tuple(t.data_ptr() for t in vars(trip.buffers).values() if isinstance(t, torch.Tensor)))
+    assert len(pointers) == 1 and trip.buffers.rows == MIN_TOKENS and copies.log.count("idle") == 1
+    x = torch.randn(MIN_TOKENS + 1, HIDDEN, generator=gen)
+    copies.log.clear()
+    trip.send(store, False, x, *reversed(routes(router, x)))
+    assert trip.buffers.rows == 2 * MIN_TOKENS and copies.log[:2] == ["refuse_capture", "idle"]
+
+
+def test_nothing_offloaded_or_nothing_cold_copies_nothing_back(paged):
+    store, (_w13, _w2, router) = paged.stores[0], paged.weights[LAYERS[1]]
+    copies = LoggedCopies()
+    trip = HostRoundTrip(copies, HostExpertStats())
+    x = torch.randn(4, HIDDEN)
+    gates, ids = routes(router, x)
+    trip.send(store, True, x, ids, gates)  # nothing offloaded: the kernel sees every id
+    trip.add(torch.zeros(4, HIDDEN))
+    assert copies.log == ["refuse_capture"] and int(ids.min()) >= 0
+    offload([store], store.layout.bound_groups)
+    resident = torch.zeros(4, TOP_K, dtype=ids.dtype)  # every slot on a resident row
+    out = torch.ones(4, HIDDEN)
+    trip.send(store, True, x, resident, gates)
+    trip.add(out)
+    assert "to_device" not in copies.log and torch.equal(out, torch.ones(4, HIDDEN)) and trip.stats.pairs == 0
+
+
+def test_two_breaks_per_layer_replay_the_host_half_after_offloads(paged):
+    """A graph captured with nothing offloaded, replayed after two offloads over NaN slots: each eligible
+    layer's send / kernel / add runs through SGLang's `eager_on_graph` as under a breakable capture."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import breakable_cuda_graph
+
+    m, capture = paged, StandInCapture()
+    stats = HostExpertStats()
+    engine = StagingEngine(m.stores, "async", staging="routed", top_k=TOP_K, is_capturing=lambda: capture.capturing)
+    engine.chooser.policy = "host"  # every step a host step, as under --vamp-staging host
+    experts = moe_staging.ModelExperts(m.backend, m.layout, None, m.stores, engine,
+                                       {s.layer_id: SimpleNamespace(layer_id=s.layer_id) for s in m.stores},
+                                       {}, None, stats, HostRoundTrip(LoggedCopies(), stats))
+    stores = {s.layer_id: s for s in m.stores}
+    tokens = 8
+    static = {"x": torch.zeros(tokens, HIDDEN)}
+    buffers = {lid: (torch.zeros(tokens, TOP_K), torch.zeros(tokens, TOP_K, dtype=torch.int64),
+                     torch.zeros(tokens, HIDDEN)) for lid in LAYERS}
+
+    def forward():
+        for lid in LAYERS:
+            gates, ids, out = buffers[lid]
+            w13, w2, router = m.weights[lid]
+
+            def route(router=router, gates=gates, ids=ids):
+                g, i = routes(router, static["x"])
+                gates.copy_(g)
+                ids.copy_(i)
+
+            def kernel(_layer, dispatch_output, out=out, w13=stores[lid].w13 if lid in stores else w13,
+                       w2=stores[lid].w2 if lid in stores else w2):
+                topk = dispatch_output.topk_output
+
+                def run():
+                    skipped = topk.topk_ids < 0
+                    out.copy_(moe_with_ids(dispatch_output.hidden_states, topk.topk_weights.masked_fill(skipped, 0),
+                                           topk.topk_ids.clamp_min(0), w13, w2))
+                capture.launch(run)
+                return Combine(out)
+
+            capture.launch(route)
+            layer = experts.layers.get(lid, SimpleNamespace(layer_id=lid))
+            moe_staging.run_moe_core_staged(experts, kernel, layer, dispatch_output=Dispatch(static["x"],
+                                                                                             TopK(gates, ids)))
+            capture.launch(lambda out=out: static["x"].add_(out))
+
+    x0 = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(5))
+    reference = x0.clone()
+    for lid in LAYERS:
+        reference = reference + moe_with_ids(reference, *routes(m.weights[lid][2], reference), *m.weights[lid][:2])
+    token = breakable_cuda_graph._current_capture_var.set(capture)
+    try:
+        forward()
+        capture._end_current_segment()
+    finally:
+        breakable_cuda_graph._current_capture_var.reset(token)
+    assert len(capture.cuda_graph._break_fns) == 2 * len(m.stores) == moe_staging.staging_breaks(experts)
+    for groups in (1, m.layout.bound_groups):
+        offload(m.stores, groups - m.stores[0].offloaded_groups)
+        pairs = stats.pairs
+        static["x"].copy_(x0)
+        capture.replay()
+        assert torch.allclose(static["x"], reference, atol=1e-4, rtol=0), groups  # NaN without the host half
+        assert stats.pairs > pairs
+    engine.close()
+
+
+def test_launcher_serves_host_experts_on_a_gpu_with_the_triton_runner():
+    flags = ["--model-path", "/nonexistent/model", "--vamp-staging", "host", "--device", "cuda"]
+    for runner in ([], ["--moe-runner-backend", "triton"]):
+        launch_server.prepare(flags + runner)
+    with pytest.raises(ConfigError, match="--vamp-staging host on a GPU needs SGLang's Triton MoE runner"):
+        launch_server.prepare(flags + ["--moe-runner-backend", "flashinfer_cutlass"])
