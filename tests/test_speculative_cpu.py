@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -97,6 +98,42 @@ def test_verify_is_a_causal_extend_of_the_chain(setup):
     out = speculative.forward_extend(TorchNativeAttnBackend.forward_extend, backend, q, k, v, s.layer, fb)
     torch.testing.assert_close(out.view(2, CHAIN, -1), expected)
     assert fb.seq_lens.tolist() == PREFIX and fb.extend_seq_lens is None  # the batch comes back unchanged
+
+
+def attention_query_rows(monkeypatch) -> list[int]:
+    """The query rows of every SDPA call torch_native or the speculative module makes from now on."""
+    rows = []
+
+    def recording(query, *args, **kwargs):
+        rows.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch_native_backend, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return rows
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2],
+                         ids=["verify", "draft_extend"])
+def test_speculative_extends_attend_for_the_chain_rows_only(setup, monkeypatch, mode):
+    """The verify and the draft extend compute CHAIN query rows per request, not one per cached token too
+    (torch_native's extend does: a seq_len x seq_len product per request and layer, so a step's cost grew
+    with the square of the context and a 2,000-token prefix cost 500 times a 4-token chain's work)."""
+    s = setup
+    expected = token_by_token(s)
+    s.pool.k[torch.cat(s.chain)] = 0
+    if mode.is_target_verify():
+        fb = batch(s, mode, PREFIX, torch.cat(s.chain), spec_info=SimpleNamespace(draft_token_num=CHAIN))
+    else:  # the draft extend's batch carries its lengths (eagle_worker_common.prepare_for_draft_extend)
+        fb = batch(s, mode, [p + CHAIN for p in PREFIX], torch.cat(s.chain))
+        fb.extend_prefix_lens, fb.extend_seq_lens = torch.tensor(PREFIX), torch.full((2,), CHAIN)
+    rows = attention_query_rows(monkeypatch)
+    q, k, v = (t.reshape(2 * CHAIN, -1) for t in (s.q, s.k, s.v))
+    out = speculative.forward_extend(TorchNativeAttnBackend.forward_extend, TorchNativeAttnBackend(s.runner),
+                                     q, k, v, s.layer, fb)
+    torch.testing.assert_close(out.view(2, CHAIN, -1), expected)
+    assert rows == [CHAIN, CHAIN]
 
 
 def test_draft_steps_see_prefix_and_chain_so_far(setup):

@@ -8,13 +8,13 @@ torch_native lacks the attention of two (shared research `deploy-modes.md` secti
   seq_len + i of its request's req->token row (the slots `assign_draft_cache_locs_contiguous` hands out,
   kernels/ops/speculative/cache_locs.py:39-110), so it attends to the first seq_len + i + 1 columns: the
   lengths the Triton and Intel AMX multi-step backends build (cache_locs.py:204-210, intel_amx_backend.py
-  `IntelAMXMultiStepDraftBackend`). The draft's extend backend is torch_native itself, whose causal extend
-  already reads DRAFT_EXTEND_V2 batches right (prefix seq_len, num_draft_tokens new tokens,
-  eagle_worker_common.py `prepare_for_draft_extend`).
+  `IntelAMXMultiStepDraftBackend`). The draft's extend backend is torch_native itself; its DRAFT_EXTEND_V2
+  batches (prefix seq_len, num_draft_tokens new tokens, eagle_worker_common.py `prepare_for_draft_extend`)
+  run `chain_attention`, which computes the new tokens' rows only.
 - the target's verify (TARGET_VERIFY): num_draft_tokens new tokens per request after seq_len cached ones,
   with no extend lengths in the batch (forward_batch_info.py:1226). With top-k 1 the draft tree is a chain
   and its mask is causal (the QLEN_ONLY mask `build_tree_kernel_efficient` lays out is lower-triangular), so
-  `forward_extend` runs torch_native's causal extend with those lengths.
+  `forward_extend` runs a causal extend with those lengths (`chain_attention`).
 - the draft's set-up: taking the target's embedding and head ends in a CUDA synchronize (`init_lm_head`).
 Trees (top-k > 1) need the tree mask in both forwards; the launcher refuses them on CPU
 (refusals/speculative.py). The six `sgl_kernel` ops these forwards call are in the CPU shim.
@@ -29,6 +29,8 @@ from unittest import mock
 import torch
 from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from vamp_sglang.integration.hooks import Hook
 
@@ -96,14 +98,58 @@ def create_backend(original, factory: Any, backend_name: str, backend_map: dict,
 
 def forward_extend(original, backend: Any, q, k, v, layer, forward_batch: Any, save_kv_cache: bool = True):
     """Around torch_native's `forward_extend`: a TARGET_VERIFY batch is a causal extend of its draft tokens
-    (num_draft_tokens each) after seq_len cached ones; every other batch is unchanged."""
-    if not forward_batch.forward_mode.is_target_verify():
+    (num_draft_tokens each) after seq_len cached ones, and it and the draft extend (DRAFT_EXTEND_V2) run
+    `chain_attention`; every other batch is unchanged."""
+    mode = forward_batch.forward_mode
+    if not (mode.is_target_verify() or mode.is_draft_extend_v2()) or not _plain_causal(backend, layer, forward_batch):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    if mode.is_draft_extend_v2():
+        return chain_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
     seq_lens = forward_batch.seq_lens
     draft_tokens = torch.full_like(seq_lens, forward_batch.spec_info.draft_token_num)
     with lengths(forward_batch, extend_prefix_lens=seq_lens, extend_seq_lens=draft_tokens,
                  seq_lens=seq_lens + draft_tokens):
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        return chain_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def _plain_causal(backend: Any, layer: Any, forward_batch: Any) -> bool:
+    """Self-attention with a plain causal mask (no sliding window, cross attention or encoder), the one
+    `chain_attention` computes; the rest keeps torch_native's own extend."""
+    window = layer.sliding_window_size
+    return (not layer.is_cross_attention and layer.attn_type != AttentionType.ENCODER_ONLY
+            and (window is None or window <= -1) and forward_batch.encoder_lens is None
+            and not backend.use_sliding_window_kv_pool)
+
+
+def chain_attention(backend: Any, q, k, v, layer, forward_batch: Any, save_kv_cache: bool = True):
+    """Causal attention of each request's new tokens (the last `extend_seq_lens` of its `seq_lens` columns)
+    over its prefix and themselves: new x seq_len scores per request and layer. torch_native's extend lays a
+    query row for every cached token too and computes seq_len x seq_len of them: a verify of 4 draft tokens
+    after 2,000 cached ones did 500 times the work, and a decode step's cost grew with the square of the
+    contexts it held (the bench's TPOT with the draft, docs/speculative.md). Query r of n new tokens in a
+    request of L sees columns 0..L - n + r, the mask the chain's lower-triangular verify mask extends."""
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(
+            layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    heads = layer.tp_q_head_num
+    query = q.view(-1, heads, layer.qk_head_dim).movedim(0, 1)  # [heads, tokens, dim]
+    out = q.new_empty((q.shape[0], heads * layer.v_head_dim))
+    out_heads = out.view(-1, heads, layer.v_head_dim)
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    table = backend.req_to_token_pool.req_to_token
+    start = 0
+    for request, total, new in zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens.tolist(),
+                                   forward_batch.extend_seq_lens.tolist(), strict=True):
+        rows = table[request, :total]
+        key, value = (cache[rows].movedim(0, 1).to(query.dtype) for cache in (k_cache, v_cache))
+        visible = torch.arange(total) <= torch.arange(total - new, total).unsqueeze(1)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query[:, start:start + new].unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), attn_mask=visible,
+            scale=layer.scaling, enable_gqa=heads != layer.tp_k_head_num)
+        out_heads[start:start + new] = attended.squeeze(0).movedim(1, 0)
+        start += new
+    return out
 
 
 def init_lm_head(original, worker: Any) -> None:
@@ -122,5 +168,5 @@ HOOKS = [
          "lengths over the draft chain)"),
     Hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend", "around",
          forward_extend,
-         "CPU mode, EAGLE/NEXTN: the target's verify forward is a causal extend of the draft chain"),
+         "CPU mode, EAGLE/NEXTN: the target's verify and the draft extend attend for the chain's rows only"),
 ]
