@@ -11,7 +11,8 @@ EVAL_RUN = OMP_NUM_THREADS=1 $(PY) -m eval.runners
 EVAL_ARGS = --model $(MODEL) --device $(DEVICE) --tp $(TP) $(EVAL_FLAGS)
 
 .PHONY: ablation-ratio ablation-policy sweep-concurrency report eval-all demo-multinode soak bench-decision \
-	bench-staging bench-staging-server cachesim cachesim-figures bench-host-experts bench-decode-cost
+	bench-staging bench-staging-server cachesim cachesim-figures bench-host-experts bench-decode-cost \
+	bench-speculative
 
 ablation-ratio:
 	$(EVAL_RUN) ablation-ratio $(EVAL_ARGS) --out-dir $(RESULTS)/ablation-ratio
@@ -82,3 +83,11 @@ bench-decode-cost: install
 	@test -f $(DECODE_COST)/host_experts.json || $(MAKE) bench-host-experts
 	OMP_NUM_THREADS=1 $(PY) -m eval.bench_decode_cost --profile h100-pcie,h200 --json $(DECODE_COST)/decode_cost.json \
 		--plot $(DECODE_COST)/decode_cost.png
+
+# Speculative decoding with VAMP (issue 46, docs/speculative.md): the multi-turn workload (8 sessions) against
+# ratio 0 and VAMP-20 with the same draft on a 4,096-token pool and ratio 0 without one on a 32,768-token pool,
+# for the tiny DeepSeek-V3 with its MTP draft (EAGLE) and the tiny Qwen3-MoE with its EAGLE3 draft; about
+# 40 minutes a model here. Summaries results/speculative/{deepseek,qwen3}.json.
+bench-speculative: install
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_speculative deepseek --out-dir $(RESULTS)/speculative
+	OMP_NUM_THREADS=1 $(PY) -m eval.bench_speculative qwen3 --out-dir $(RESULTS)/speculative
