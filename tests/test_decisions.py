@@ -187,6 +187,18 @@ def test_running_batch_sets_w_and_victims_are_priced_as_retraction_frees_them(ma
     assert snap.retract_buffer_tokens == 20 and snap.free_tokens == 2
 
 
+def test_with_a_draft_the_snapshot_carries_sglangs_accept_length(maker):
+    """Issue 46: Eq. 3 spreads a verify step's staging over the tokens it commits, read from SGLang's counters."""
+    dm = maker.make()
+    maker.scheduler.running_batch.reqs = [request(40)]
+    assert dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), 0).offload.accept_length == 1.0
+    maker.scheduler.spec_algorithm = SpeculativeAlgorithm.EAGLE
+    maker.scheduler.metrics_reporter = SimpleNamespace(spec_total_num_accept_tokens=20, spec_total_num_forward_ct=8,
+                                                       spec_num_accept_tokens=10, spec_num_forward_ct=2)
+    snap = dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), free_tokens=0)
+    assert (snap.offload.accept_length, snap.offload.decode_budget_min) == (3.0, 40)
+
+
 def test_paged_decode_plans_only_for_the_pages_it_needs(vamp):  # noqa: F811
     """Issue 9.7: prepare_for_decode asks for a page per request although only new pages are needed."""
     _, alloc, memory = vamp.build(16)

@@ -124,21 +124,43 @@ def host_copy_block_cost_s(tokens: int, hits: int, age_steps: float, observed_hi
 
 
 def offload_cost_s(n_groups: int, shards_per_group: int, local_experts: int, top_k: int,
-                   decode_budget_min: int, c: Coefficients) -> float:
+                   decode_budget_min: int, c: Coefficients, accept_length: float = 1.0) -> float:
     """Eq. 3: C_e(n_cand) = min(n_cand, E) * c_eff * w.
 
     n_cand = shards_per_group * n_groups (shard-equivalents), E = rank-local expert shards per
     layer, c_eff = c_reload * k / E, and w = the smallest remaining decode budget among running
     requests clamped to 1..64 steps: the horizon over which the staging cost is paid before the
     pool could shrink back.
+
+    With speculative decoding a step (the target's verify forward, the one forward that stages: the draft's
+    experts stay resident) commits `accept_length` tokens, so the staged bytes are spread over them: the
+    per-token cost is c_eff / accept_length, and a budget of w tokens is w / accept_length steps (still at
+    least one, at most 64). Without a draft accept_length is 1 and this is the paper's Eq. 3.
     """
     if min(n_groups, shards_per_group) < 0 or local_experts < 1 or top_k < 1:
         raise ValueError(f"offload_cost_s needs n_groups, shards_per_group >= 0 and local_experts, top_k >= 1 "
                          f"(got {n_groups!r}, {shards_per_group!r}, {local_experts!r}, {top_k!r})")
+    if not (math.isfinite(accept_length) and accept_length >= 1.0):
+        raise ValueError(f"offload_cost_s needs accept_length >= 1 tokens per step (got {accept_length!r})")
     n_cand = n_groups * shards_per_group
     c_eff_s = c.c_reload_s * top_k / local_experts
-    w_steps = min(max(decode_budget_min, 1), MAX_DECODE_HORIZON_STEPS)
+    w_steps = min(max(decode_budget_min / accept_length, 1), MAX_DECODE_HORIZON_STEPS)
     return min(n_cand, local_experts) * c_eff_s * w_steps
+
+
+def draft_prefill_s(t_prefill_s: float, draft_layers: int, target_layers: int) -> float:
+    """t_prefill of Eqs. 2 and 4 with a speculative draft: t_prefill * (1 + draft layers / target layers).
+
+    Every re-prefill (an evicted prefix's, Eq. 2, or a preempted request's n_partial, Eq. 4) also runs the
+    draft's extend over the same tokens: SGLang's EAGLE worker runs the target's prefill and then the draft
+    extend in one batch (speculative/eagle_worker_v2.py:1548-1580). The draft's share is priced by its layers
+    over the target's (DeepSeek-V3's MTP layer: 1 of 61), for the configured t_prefill only: a measured one
+    (timed around that whole batch) already holds it.
+    """
+    if draft_layers < 0 or target_layers < 1:
+        raise ValueError(f"draft_prefill_s needs draft_layers >= 0 and target_layers >= 1 "
+                         f"(got {draft_layers!r}, {target_layers!r})")
+    return t_prefill_s * (1.0 + draft_layers / target_layers)
 
 
 def dp_charged_groups(n_groups: int, offloaded_groups: int, peer_offloaded_groups: int) -> int:
@@ -209,3 +231,28 @@ class QueueDelayEstimator:
     def apply(self, c: Coefficients) -> Coefficients:
         """The coefficients with t_queue replaced by the current estimate."""
         return dataclasses.replace(c, t_queue_s=self._value_s)
+
+
+class AcceptLengthEstimator:
+    """The accept length of Eq. 3 with a draft: tokens committed per verify, an exponential moving average
+    over the windows between readings (a window's mean weighs EMA_WEIGHT), so one lucky or unlucky stretch
+    does not swing the offload price; 1.0 until the first verify.
+
+    It reads SGLang's running totals (tokens accepted, verifies), which only grow."""
+
+    EMA_WEIGHT = 0.2  # the calibrator's smoothing
+
+    def __init__(self) -> None:
+        self.value: float = 1.0
+        self._seen = (0, 0)
+
+    def observe(self, accepted_tokens: int, verifies: int) -> float:
+        """Fold in the window since the last reading (totals so far); returns the new estimate."""
+        tokens, steps = accepted_tokens - self._seen[0], verifies - self._seen[1]
+        if tokens < 0 or steps < 0:
+            raise ValueError(f"accept totals went back ({self._seen!r} -> {(accepted_tokens, verifies)!r})")
+        if steps:
+            window = max(tokens / steps, 1.0)  # a verify commits at least its bonus token
+            self.value = window if self._seen[1] == 0 else self.value + self.EMA_WEIGHT * (window - self.value)
+            self._seen = (accepted_tokens, verifies)
+        return self.value

@@ -165,10 +165,12 @@ def _evict(s: Snapshot, totals: _Totals) -> _Option | None:
 
 
 def _offload_price(s: Snapshot, c: Coefficients, groups: int) -> float:
-    """Eq. 3; under DP attention only the groups above the other DP ranks' offloads lengthen the step."""
+    """Eq. 3 (spread over the accept length with a draft); under DP attention only the groups above the other DP
+    ranks' offloads lengthen the step."""
     o, dp = s.offload, s.dp_step
     charged = groups if dp is None else dp_charged_groups(groups, dp.offloaded_groups, dp.peer_offloaded_groups)
-    return offload_cost_s(charged, o.shards_per_group, o.local_experts, o.top_k, o.decode_budget_min, c)
+    return offload_cost_s(charged, o.shards_per_group, o.local_experts, o.top_k, o.decode_budget_min, c,
+                          o.accept_length)
 
 
 def _allowed_groups(s: Snapshot, c: Coefficients) -> list[int]:

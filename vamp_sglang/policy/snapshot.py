@@ -13,7 +13,8 @@ are remembered (`_overridden`), and so are those that passed (`_VALIDATED`).
      "evictable": [{"tokens": int, "hits": int, "age_steps": int, "prior_hit_rate": float,
                     "reprefill_tokens": int, "host_copy": bool}, ...],  # both optional
      "offload": {"headroom_groups": int, "tokens_by_groups": [int, ...], "shards_per_group": int,
-                 "local_experts": int, "top_k": int, "decode_budget_min": int},
+                 "local_experts": int, "top_k": int, "decode_budget_min": int,
+                 "accept_length": float},                      # optional: a speculative draft (1.0 without)
      "preempt": [{"partial_tokens": int, "tokens": int, "decode_tokens": int}, ...],
      "retract_buffer_tokens": int,
      "observed_hit_rate": float,
@@ -89,6 +90,7 @@ class OffloadState:
     local_experts: int  # E of Eq. 3: rank-local expert shards per layer
     top_k: int  # k of Eq. 3
     decode_budget_min: int  # smallest remaining decode budget among running requests (w before clamping)
+    accept_length: float = 1.0  # speculative decoding: tokens a step commits (Eq. 3 spreads staging over them)
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class Snapshot:
         top = _fields(d, "snapshot", _TOP_FIELDS, optional=("coefficients", "tpot_guard_groups",
                                                              "host_load_us_per_token", "host_write_back",
                                                              "dp_step"))
-        offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)))
+        offload = dict(_fields(top["offload"], "snapshot.offload", _names(OffloadState)[:-1],
+                               optional=("accept_length",)))
         offload["tokens_by_groups"] = tuple(_list(offload["tokens_by_groups"], "snapshot.offload.tokens_by_groups"))
         return cls(
             site=top["site"],
@@ -173,6 +176,8 @@ class Snapshot:
     def to_json(self) -> dict[str, Any]:
         offload = dataclasses.asdict(self.offload)
         offload["tokens_by_groups"] = list(self.offload.tokens_by_groups)
+        if offload["accept_length"] == 1.0:
+            del offload["accept_length"]  # no draft: the log line stays as it was
         d = {"site": self.site, "gap_tokens": self.gap_tokens, "free_tokens": self.free_tokens,
              "evictable": [{k: v for k, v in e._asdict().items()
                             if not (k == "reprefill_tokens" and v is None) and not (k == "host_copy" and not v)}
@@ -254,6 +259,8 @@ def _validate(s: Snapshot) -> None:
     _int(o.local_experts, "snapshot.offload.local_experts", 1)
     _int(o.top_k, "snapshot.offload.top_k", 1)
     _int(o.decode_budget_min, "snapshot.offload.decode_budget_min", 0)
+    if not (_is_number(o.accept_length) and o.accept_length >= 1.0):
+        raise SnapshotError(f"snapshot.offload.accept_length must be a number >= 1 (got {o.accept_length!r})")
     if not _plain_victims(s.preempt):
         _validate_victims(s.preempt)
     _rate(s.observed_hit_rate, "snapshot.observed_hit_rate")

@@ -14,6 +14,11 @@ alike as long as every input that is local is agreed first:
 - the TPOT guard's cap on the groups one decision may offload (its timings are local too), agreed
   each time a decision evaluates it: a cap agreed while decode was fast let offloads go on after it
   slowed, and restores and offloads took turns.
+With a speculative draft two inputs change (policy/costs.py): the configured t_prefill prices the draft's extend
+too (`draft_prefill_s`, draft KV layers over the target's, read from the pools VAMP laid), and Eq. 3 spreads a
+step's staging over the accept length (`accept_length`), SGLang's committed tokens per verify. Neither needs a
+round: the accept totals are counted from the replicated verify results on every rank alike
+(managers/scheduler_components/batch_result_processor.py:984-991, metrics_reporter.py:543-553).
 The headroom is withheld for OFFLOAD_RETRY_STEPS steps after a failed offload (the vote that failed
 it was seen by every rank, so the back-off is replicated) and for good once this rank could not
 undo a remap (its pool differs from the others').
@@ -28,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vamp_sglang.policy import Coefficients
+from vamp_sglang.policy.costs import AcceptLengthEstimator, draft_prefill_s
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +69,8 @@ class PlanInputs:
         self.measurements = measurements  # the calibrator and the TPOT guard (step_measurements.py)
         self.step_fn = step_fn  # the scheduler's step counter (replicated)
         self.top_k = top_k
-        self.base_coefficients = base_coefficients  # configured (Coefficients.from_config)
+        self.base_coefficients = _with_draft_extend(base_coefficients, memory)  # configured, the draft's share in
+        self._accept = AcceptLengthEstimator()
         self.offload_blocked_until_step = 0
         self.view = NO_HEADROOM
         self._view_agreed_at_step: int | None = None  # None: the view's fingerprint round succeeded
@@ -135,6 +142,16 @@ class PlanInputs:
             self._host_load = (step, agreed / 1e6 if agreed > 0 else None)
         return None if self._host_load is None else self._host_load[1]
 
+    def accept_length(self, scheduler: Any) -> float:
+        """Eq. 3's accept length: SGLang's committed tokens per verify (its lifetime totals plus the window its
+        metrics reporter has not logged yet), a moving average over the windows between decisions; 1.0 without
+        a draft or before the first verify."""
+        if scheduler.spec_algorithm.is_none():
+            return 1.0
+        r = scheduler.metrics_reporter
+        return self._accept.observe(int(r.spec_total_num_accept_tokens + r.spec_num_accept_tokens),
+                                    int(r.spec_total_num_forward_ct + r.spec_num_forward_ct))
+
     def coefficients(self, may_agree: bool = True) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every
         COEFFICIENT_AGREE_STEPS steps (timings differ by rank, decisions must not)."""
@@ -158,3 +175,14 @@ class PlanInputs:
             self._agreed = dataclasses.replace(agreed, t_prefill_s=max(agreed.t_prefill_s, 1e-9))
             self._agreed_at_step = step
         return self._agreed
+
+
+def _with_draft_extend(base: Coefficients, memory: Any) -> Coefficients:
+    """The configured coefficients with t_prefill covering the draft's extend (`draft_prefill_s`): the draft's
+    KV layers (every draft pool VAMP laid, integration/memory/draft_pools.py) over the target's."""
+    drafts = getattr(memory, "draft_pools", ())
+    if not drafts:
+        return base
+    layers = sum(int(d.pool.layer_num) for d in drafts)
+    return dataclasses.replace(base, t_prefill_s=draft_prefill_s(base.t_prefill_s, layers,
+                                                                 int(memory.pool.pool.layer_num)))

@@ -106,7 +106,8 @@ class DecisionMaker:
         return OffloadState(headroom_groups=len(gains_by_groups), tokens_by_groups=gains_by_groups,
                             shards_per_group=self.memory.layout.group_experts if gains_by_groups else 0,
                             local_experts=self.memory.layout.local_experts, top_k=self.top_k,
-                            decode_budget_min=max(1, min(budgets, default=1)))
+                            decode_budget_min=max(1, min(budgets, default=1)),
+                            accept_length=self.inputs.accept_length(self.runtime.scheduler))
 
     @staticmethod
     def _preempt_candidates(running: list[Any], page_size: int) -> list[PreemptCandidate]:
