@@ -19,6 +19,10 @@ section leaves behind (pages mapped, a CUDA error pending) fails that section, n
                        bit for bit against runs of the same kernels; restore; no page leaked.
   overlap              staging_overlap: staging hidden behind Qwen3-Next-sized MoE compute at batch 1/16/64.
   routed               routed_staging: routed-only staging, the device copy list in a CUDA graph (issue 12).
+  routing_order        routing_order_graph: residency by routing's id map inside a captured CUDA graph, replayed
+                       after a reorder and its rollback (issue 49).
+  host_experts         host_experts_graph: --vamp-staging host's round trip between captured segments; D2H, CPU,
+                       H2D, resident times and their overlap at batch 1/16/64 (issue 49).
   state                state_growth: layer-strided linear-attention state tensors grown and shrunk in place.
   prefill_stream       prefill_stream_timing: PrefillTimer on the forward's stream (GPU only).
   side_stream_capture  side_stream_capture: breakable capture over MoE blocks that fork to a side stream
@@ -60,10 +64,12 @@ from eval.gpu_sections import (
     graph_segments,
     grown_attention,
     hicache_budget,
+    host_experts_graph,
     prefill_stream_timing,
     remap_rate,
     resize_rollback,
     routed_staging,
+    routing_order_graph,
     sglang_fp8_moe,
     side_stream_capture,
     staging_overlap,
@@ -83,6 +89,8 @@ SECTIONS: dict[str, tuple[bool, Callable[[PageBackend, bool], dict]]] = {  # nam
     "graphs": (False, graph_segments.check),
     "overlap": (False, staging_overlap.check),
     "routed": (False, routed_staging.check),
+    "routing_order": (False, routing_order_graph.check),
+    "host_experts": (False, host_experts_graph.check),
     "state": (False, state_growth.check),
     "prefill_stream": (True, prefill_stream_timing.check),
     "side_stream_capture": (True, side_stream_capture.check),

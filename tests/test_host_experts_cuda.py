@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_experts import host_backend
 from test_host_experts import Combine, Dispatch, TopK
 from test_residency import moe_with_ids
 from test_staging import HIDDEN, LAYERS, TOP_K, model  # noqa: F401 (model: the paged stores)
@@ -223,3 +224,22 @@ def test_launcher_serves_host_experts_on_a_gpu_with_the_triton_runner():
         launch_server.prepare(flags + runner)
     with pytest.raises(ConfigError, match="--vamp-staging host on a GPU needs SGLang's Triton MoE runner"):
         launch_server.prepare(flags + ["--moe-runner-backend", "flashinfer_cutlass"])
+
+
+def test_gpu_check_sections_run_their_host_parts():
+    """eval/gpu_check.py's `routing_order` and `host_experts` sections on host pages (the capture and the
+    CUDA copies need a GPU): the id map survives a reorder and its rollback; the round trip between the
+    segments equals the resident layer, and the segments alone read the NaN slots."""
+    from eval.gpu_sections import host_experts_graph, routing_order_graph
+
+    backend = host_backend()
+    try:
+        order = routing_order_graph.check(backend, False)
+        host = host_experts_graph.check(backend, False)
+    finally:
+        backend.close()
+    assert order["ok"] and order["swaps"] > 0 and order["rollback_restores_the_identity"]
+    assert host["ok"] and [b["batch"] for b in host["graphs"]["batches"]] == [1, 4, 16]
+    assert all(b["replay_without_breaks_reads_nan"] for b in host["graphs"]["batches"])
+    assert [b["batch"] for b in host["timing"]["batches"]] == [1, 16, 64]
+    assert host["timing"]["batches"][-1]["cold_pairs_per_step"] > 0

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
-SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "state", "prefill_stream",
-            "side_stream_capture", "resize_rollback", "state_pool_alloc", "compaction_probe",
+SECTIONS = ["backend", "driver", "remap", "graphs", "overlap", "routed", "routing_order", "host_experts", "state",
+            "prefill_stream", "side_stream_capture", "resize_rollback", "state_pool_alloc", "compaction_probe",
             "hicache_budget", "grown_attention", "sglang_fp8_moe"]
 
 
@@ -62,6 +62,8 @@ def test_without_a_gpu_the_sections_run_on_host_pages(tmp_path):
     assert 0 < routed_bytes[0] < whole_bytes and routed_bytes[-1] == whole_bytes  # batch 64 routes to them all
     routed = report["routed"]  # issue 12: routed, whole and auto steps exact; routed stages fewer bytes
     assert routed["ok"] and routed["routed_exact"] and routed["auto_exact"] and routed["routed_stages_fewer_bytes"]
+    assert report["routing_order"]["ok"] and report["routing_order"]["eager_after_swap_exact"]  # issue 49
+    assert report["host_experts"]["graphs"]["ok"] and report["host_experts"]["graphs"]["host_pairs"] > 0
     assert report["state"]["ok"] and report["state"]["slot_clear_hits_every_layer"]  # issue 11: state pool
     assert report["side_stream_capture"] == {"skipped": "needs a GPU"}  # CUDA graphs and streams only
     assert report["resize_rollback"]["ok"] and report["resize_rollback"]["kv_experts_exact"]  # issue 19 item 2

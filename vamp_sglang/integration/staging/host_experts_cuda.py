@@ -77,6 +77,7 @@ class CudaCopies:
         self.side = torch.cuda.Stream(device)
         self.ready, self.host_done, self.device_done = (torch.cuda.Event() for _ in range(3))
         self._timers = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
+        self._copied_back = False  # whether the last round trip had an H2D copy (some pair was cold)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -94,6 +95,7 @@ class CudaCopies:
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """After everything the compute stream queued so far, copy each (pinned dst, device src) on the
         side stream; one event marks them all done."""
+        self._copied_back = False
         self.ready.record(torch.cuda.current_stream(self.device))
         self.side.wait_event(self.ready)
         with torch.cuda.stream(self.side):
@@ -110,6 +112,7 @@ class CudaCopies:
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy pinned `src` to `dst` on the side stream; the compute stream waits for it before its next
         kernel (the add)."""
+        self._copied_back = True
         with torch.cuda.stream(self.side):
             self._time(2)
             dst.copy_(src, non_blocking=True)
@@ -121,10 +124,11 @@ class CudaCopies:
         self.side.synchronize()
 
     def copy_ms(self) -> tuple[float, float]:
-        """The last D2H and H2D copy times (timed only; synchronises the side stream)."""
+        """The last round trip's D2H and H2D copy times, 0 for an H2D it did not need (timed only;
+        synchronises the side stream)."""
         self.idle()
-        d2h, h2d = (self._timers[i].elapsed_time(self._timers[i + 1]) for i in (0, 2))
-        return d2h, h2d
+        h2d = self._timers[2].elapsed_time(self._timers[3]) if self._copied_back else 0.0
+        return self._timers[0].elapsed_time(self._timers[1]), h2d
 
     def _time(self, i: int) -> None:
         if self._timers is not None:
