@@ -171,6 +171,8 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
     if _turns_on(sg, _SPECULATIVE) and (why := speculative_refusals.refused_with_vamp(sg.speculative_algorithm)):
         raise ConfigError(f"{_SPECULATIVE} {sg.speculative_algorithm} is not supported with "
                           f"--vamp-max-offload-ratio > 0 ({why})")
+    if _turns_on(sg, _SPECULATIVE) and (refusal := speculative_refusals.draft_row_refused(sg)):
+        raise ConfigError(refusal)
     if hybrid_model.is_hybrid_linear(sg.model_path) and (refusal := hybrid_refusals.refused_by_flags(sg)):
         raise ConfigError(refusal)
     for refusal in (family_refusals.refused(sg), mla_refusals.refused(sg), attention_refusals.refused(sg),
