@@ -5,6 +5,7 @@ in-place split for the kernel, the round trip's snapshot / D2H / host half / H2D
 now names only the MoE runners that do not skip -1 ids. The CUDA copies themselves: tests/
 test_host_experts_cuda_gpu.py and eval/gpu_check.py section `host_experts`."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -133,6 +134,25 @@ def test_buffers_are_reused_and_grow_only_after_the_copies_are_idle(paged):
     copies.log.clear()
     trip.send(store, False, x, *reversed(routes(router, x)))
     assert trip.buffers.rows == 2 * MIN_TOKENS and copies.log[:2] == ["refuse_capture", "idle"]
+
+
+def test_the_host_half_runs_on_its_own_thread_count(paged, monkeypatch):
+    """SGLang leaves a GPU server's scheduler at one intra-op thread after loading weights; the host half
+    runs with the round trip's `threads` and puts the process's count back."""
+    from vamp_sglang.integration.staging import host_experts_cuda
+
+    store, (_w13, _w2, router) = paged.stores[0], paged.weights[LAYERS[1]]
+    offload([store], store.layout.bound_groups)
+    seen, real = [], host_experts_cuda.cold_output
+    monkeypatch.setattr(host_experts_cuda, "cold_output",
+                        lambda *args: seen.append(torch.get_num_threads()) or real(*args))
+    before = torch.get_num_threads()
+    x = torch.randn(8, HIDDEN)
+    trip = HostRoundTrip(LoggedCopies(), HostExpertStats(), threads=before + 1)
+    trip.send(store, True, x, *reversed(routes(router, x)))
+    trip.add(torch.zeros(8, HIDDEN))
+    assert seen == [before + 1] and torch.get_num_threads() == before
+    assert 1 <= host_experts_cuda.host_threads() <= len(os.sched_getaffinity(0))
 
 
 def test_nothing_offloaded_or_nothing_cold_copies_nothing_back(paged):

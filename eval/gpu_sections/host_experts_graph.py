@@ -16,7 +16,7 @@ Timings, on a Qwen3-Next-sized layer (512 experts, hidden 2048, expert intermedi
 whole round trip, while the captured resident segment is a grouped GEMM over as many resident experts as
 the batch routes (the `overlap` section's stand-in for SGLang's Triton MoE, which this script may not
 import): `d2h_us` and `h2d_us` (timing events on the side stream), `cpu_ms` (the host half, wall clock,
-`torch_threads` threads), `resident_ms` (the segment alone), `step_ms` (send, segment, add), and
+`torch_threads` threads, as many as the server's `host_threads`), `resident_ms` (the segment alone), `step_ms` (send, segment, add), and
 `overlap_fraction`, the share of D2H + CPU + H2D hidden behind the resident segment:
 (resident + host side - step) / host side, clipped to [0, 1]. These are what the decode-cost model's host
 side assumes (eval/decode_cost_model.py: 10 us a direction, this machine's per-core expert time scaled).
@@ -35,7 +35,7 @@ import torch
 from eval.gpu_sections.routing_order_graph import gathered_moe
 from eval.gpu_sections.toy_moe import fill_slots, moe_layer, toy_layers
 from vamp_sglang.integration.staging.host_experts import HostExpertStats
-from vamp_sglang.integration.staging.host_experts_cuda import CudaCopies, HostRoundTrip
+from vamp_sglang.integration.staging.host_experts_cuda import CudaCopies, HostRoundTrip, host_threads
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.layout import ExpertLayout
 from vamp_sglang.memory.staging_slots import build_expert_stores, close_expert_stores
@@ -154,12 +154,12 @@ def _timing(backend: PageBackend, gpu: bool) -> dict:
     del w13, w2
     for handle in stores[0].offload_tail_pages(layout.bound_groups):
         backend.release(handle)
-    trip = HostRoundTrip(_copies(backend, gpu), HostExpertStats())
+    trip = HostRoundTrip(_copies(backend, gpu), HostExpertStats(), host_threads() if gpu else None)
     batches = [_timing_batch(backend, gpu, trip, stores[0], router,
                              torch.randn(batch, hidden, device=dev, generator=gen, dtype=dtype), top_k, gen)
                for batch in (1, 16, 64)]
     result = {"experts": experts, "hidden": hidden, "expert_intermediate": inter, "top_k": top_k,
-              "offloaded_experts": experts - stores[0].boundary_expert, "torch_threads": torch.get_num_threads(),
+              "offloaded_experts": experts - stores[0].boundary_expert, "torch_threads": trip.threads or torch.get_num_threads(),
               "batches": batches}
     close_expert_stores(staging, stores)
     result["no_page_leaked"] = backend.live_counts() == before

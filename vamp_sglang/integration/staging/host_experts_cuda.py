@@ -39,8 +39,10 @@ are computed too; their output is discarded with the rows.
 from __future__ import annotations
 
 import functools
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -155,6 +157,27 @@ class _Buffers:
                 and ids.dtype == self.device_ids.dtype and weights.dtype == self.device_weights.dtype)
 
 
+def host_threads() -> int:
+    """Intra-op threads for this rank's host half: the cores it may run on, shared among the node's GPUs
+    (one rank each). SGLang sets 1 thread on GPU servers while loading weights (model_runner.py:1278,
+    `torch.set_num_threads(1)`, never raised again), which would run every cold matmul on one core."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, torch.cuda.device_count()))
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` (None: as it is) for the block, then put back."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def mask_cold_(ids: torch.Tensor, weights: torch.Tensor, boundary: int, routed: int) -> None:
     """Mask the slots routed to offloaded rows [boundary, routed) in place: id -1, weight 0. Device ops,
     queued on the current stream; fused shared experts (rows >= routed) and -1 padding stay."""
@@ -165,10 +188,11 @@ def mask_cold_(ids: torch.Tensor, weights: torch.Tensor, boundary: int, routed: 
 
 class HostRoundTrip:
     """One model's host round trip, shared by its eligible layers (they run one after the other, and a
-    layer's `add` always follows its own `send`)."""
+    layer's `add` always follows its own `send`). `threads`: torch's intra-op threads for the host half
+    (None: the process's)."""
 
-    def __init__(self, copies: Copies, stats: HostExpertStats) -> None:
-        self.copies, self.stats = copies, stats
+    def __init__(self, copies: Copies, stats: HostExpertStats, threads: int | None = None) -> None:
+        self.copies, self.stats, self.threads = copies, stats, threads
         self.buffers: _Buffers | None = None
         self.host_s = 0.0  # the last layer's CPU time in `cold_output`
         self._pending: tuple[ExpertStore, int, int] | None = None  # (store, boundary, tokens)
@@ -203,8 +227,9 @@ class HostRoundTrip:
         self.copies.wait_host()
         ids = buf.host_ids[:tokens]
         start = time.perf_counter()
-        half, pairs = cold_output(buf.host_x[:tokens], ids, buf.host_weights[:tokens],
-                                  (ids >= boundary) & (ids < store.routed_experts), store, buf.host_out[:tokens])
+        with intra_op_threads(self.threads):
+            half, pairs = cold_output(buf.host_x[:tokens], ids, buf.host_weights[:tokens],
+                                      (ids >= boundary) & (ids < store.routed_experts), store, buf.host_out[:tokens])
         self.host_s = time.perf_counter() - start
         self.stats.pairs += pairs
         if pairs:

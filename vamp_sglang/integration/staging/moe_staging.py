@@ -70,6 +70,7 @@ from vamp_sglang.integration.staging.host_experts import HostExpertStats, host_r
 from vamp_sglang.integration.staging.host_experts_cuda import (
     CudaCopies,
     HostRoundTrip,
+    host_threads,
     run_moe_core_host_cuda,
 )
 from vamp_sglang.integration.staging.step_modes import host_step, moe_sees_local_tokens
@@ -244,7 +245,7 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         if backend.device.type == "cuda" and not splits_w2_wait([layer], backend.device):  # -1 ids skipped
             raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host on a GPU needs SGLang's "
                                         f"Triton MoE runner, which skips the -1 ids of the host's slots")
-    trip = HostRoundTrip(CudaCopies(backend.device), host) if host is not None and stores and \
+    trip = HostRoundTrip(CudaCopies(backend.device), host, host_threads()) if host is not None and stores and \
         backend.device.type == "cuda" else None
     copier = None
     if backend.device.type == "cuda" and staging_policy != "whole" and stores:
