@@ -153,7 +153,7 @@ def draft_prefill_s(t_prefill_s: float, draft_layers: int, target_layers: int) -
 
     Every re-prefill (an evicted prefix's, Eq. 2, or a preempted request's n_partial, Eq. 4) also runs the
     draft's extend over the same tokens: SGLang's EAGLE worker runs the target's prefill and then the draft
-    extend in one batch (speculative/eagle_worker_v2.py:1548-1580). The draft's share is priced by its layers
+    extend in one batch (speculative/eagle_worker_v2.py:1548-1597). The draft's share is priced by its layers
     over the target's (DeepSeek-V3's MTP layer: 1 of 61), for the configured t_prefill only: a measured one
     (timed around that whole batch) already holds it.
     """
