@@ -1,14 +1,19 @@
-"""Tiny drafts: the DeepSeek-V3 MTP layer (`--arch deepseek_v3`) SGLang's NextN loader reads, in its own file,
-so transformers still loads the main file with no unexpected key (the other families write no draft); and
-the EAGLE3 draft of a tiny Qwen3-MoE (`--eagle3-draft`)."""
+"""Tiny drafts: the DeepSeek-V3 MTP layer (`--arch deepseek_v3`) SGLang's NextN loader reads, and Qwen3-Next's
+(`--arch qwen3_next`) that SGLang's Qwen3NextForCausalLMMTP loads, each in its own file, so transformers still
+loads the main file with no unexpected key (the other families write no draft); and the EAGLE3 draft of a tiny
+Qwen3-MoE (`--eagle3-draft`)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from safetensors import safe_open
 
+from vamp_sglang.cpu import cpu_environment
 from vamp_sglang.tiny_moe.checkpoint import make_checkpoint, read_manifest
 from vamp_sglang.tiny_moe.deepseek import MTP_WEIGHTS
 
@@ -51,9 +56,80 @@ def test_manifest_records_the_mtp_file(v3):
     assert manifest["spec"]["mtp_layers"] == 1 and MTP_WEIGHTS in manifest["files"]
 
 
-@pytest.mark.parametrize("fields", [{"arch": "deepseek_v2"}, {"arch": "qwen3_moe"}])
+NEXT_SMALL = SMALL | {"layers": 4, "kv_heads": 2, "shared_intermediate": 32}
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("next"), arch="qwen3_next", **NEXT_SMALL)
+
+
+def test_qwen3_next_mtp_layer_is_one_attention_layer_under_mtp(qwen3_next):
+    """`mtp.layers.0` carries the names of the target's first full-attention layer (layer 3 of 4, the only
+    kind the MTP layer is, models/qwen3_next_mtp.py:66-74), with its own draws; `mtp.fc`, the two pre-fc norms
+    and `mtp.norm` surround it; nothing named `mtp.` is in the main file (SGLang's target skips them anyway)."""
+    mtp = names(qwen3_next / MTP_WEIGHTS)
+    attention = {n.replace("model.layers.3.", "mtp.layers.0.") for n in names(qwen3_next / "model.safetensors")
+                 if n.startswith("model.layers.3.")}
+    extra = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}
+    assert mtp == attention | extra and not any("linear_attn" in n for n in mtp)
+    assert not any(n.startswith("mtp.") for n in names(qwen3_next / "model.safetensors"))
+    with safe_open(str(qwen3_next / MTP_WEIGHTS), "pt") as f:
+        assert tuple(f.get_slice("mtp.fc.weight").get_shape()) == (64, 128)
+        assert f.get_tensor("mtp.norm.weight").abs().sum() == 0  # (1 + weight) norms: neutral at 0
+        draft_q = f.get_tensor("mtp.layers.0.self_attn.q_proj.weight")
+    with safe_open(str(qwen3_next / "model.safetensors"), "pt") as f:
+        assert not draft_q.equal(f.get_tensor("model.layers.3.self_attn.q_proj.weight"))
+    manifest = read_manifest(qwen3_next)
+    assert manifest["spec"]["mtp_layers"] == 1 and MTP_WEIGHTS in manifest["files"]
+
+
+# SGLang builds the draft as it does for NEXTN (ModelConfig with is_draft_model, configs/model_config.py:1134-1136)
+# and loads mtp.safetensors one tensor at a time: each must land in a parameter, and every parameter but the
+# embedding and head (the target's, shared by set_embed_and_head) must be loaded.
+LOAD = """
+import sys
+from safetensors import safe_open
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.bootstrap import init_parallel_runtime
+from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM
+from sglang.srt.models.qwen3_next_mtp import Qwen3NextForCausalLMMTP
+from sglang.srt.runtime_context import SpawnRanks, publish
+from sglang.srt.server_args import ServerArgs
+path, port = sys.argv[1], int(sys.argv[2])
+args = ServerArgs(model_path=path, device="cpu", attention_backend="torch_native", dtype="float32",
+                  speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=2, disable_overlap_schedule=True)
+publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+init_parallel_runtime(server_args=args, device="cpu", dist_port=port)
+config = ModelConfig.from_server_args(args, model_path=path, is_draft_model=True)
+assert config.hf_config.architectures == ["Qwen3NextForCausalLMMTP"], config.hf_config.architectures
+model = Qwen3NextForCausalLMMTP(config.hf_config)
+params, loaded, unexpected = {n for n, _ in model.named_parameters()}, set(), []
+with safe_open(path + "/mtp.safetensors", "pt") as f:
+    for name in f.keys():
+        got = Qwen3NextForCausalLM.load_weights(model, [(name, f.get_tensor(name))], is_mtp=True)
+        loaded |= got & params
+        unexpected += [] if got & params else [name]
+print(sorted(unexpected), sorted(params - loaded))
+"""
+
+
+@pytest.mark.long
+def test_sglangs_qwen3_next_mtp_loads_every_tensor(qwen3_next):
+    """About 10 s (an SGLang import and a one-rank gloo group in a fresh interpreter), hence make test-long."""
+    from eval.servers import free_port
+
+    env = os.environ | cpu_environment()
+    proc = subprocess.run([sys.executable, "-c", LOAD, str(qwen3_next), str(free_port())], capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[] ['lm_head.weight', 'model.embed_tokens.weight']"
+
+
+@pytest.mark.parametrize("fields", [{"arch": "deepseek_v2"}, {"arch": "qwen3_moe"}, {"arch": "qwen3_5_moe"}])
 def test_other_families_write_no_draft(tmp_path, fields):
-    small = SMALL | ({"kv_heads": 2} if fields["arch"] == "qwen3_moe" else {})
+    small = {"deepseek_v2": SMALL, "qwen3_moe": SMALL | {"kv_heads": 2}, "qwen3_5_moe": NEXT_SMALL}[fields["arch"]]
     out = make_checkpoint(tmp_path, **fields, **small)
     assert not (out / MTP_WEIGHTS).exists() and "mtp_layers" not in read_manifest(out)["spec"]
 

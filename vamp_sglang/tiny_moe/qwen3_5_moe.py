@@ -35,6 +35,8 @@ class Qwen3_5MoeSpec(Qwen3NextSpec):
     architecture: ClassVar[str] = "Qwen3_5MoeForCausalLM"
     config_class: ClassVar[str] = "Qwen3_5MoeTextConfig"
 
+    mtp_layers: ClassVar[int] = 0  # Qwen3.5's MTP layer (SGLang's qwen3_5_mtp) is not written
+
     def _linear_attention_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
         """q/k/v, z, b and a as four projections; conv, decay, gated norm and output as Qwen3-Next's."""
         fused = super()._linear_attention_shapes(p)

@@ -6,6 +6,13 @@ conv kernel 4; the real one has 16/32 heads of 128), the same 128 experts of 256
 shared expert of 256 behind a sigmoid gate. Experts hold 96 MiB per layer; KV is 2 KiB per token (two
 attention layers), and each request's linear-attention state is 6 layers x (64 KiB recurrent + 6 KiB
 conv), float32. `vamp_sglang.tiny_next_reference` is a plain-torch forward of these checkpoints.
+
+Its multi-token-prediction (MTP) layer, the draft of `--speculative-algorithm NEXTN|EAGLE`, is in its own file
+(`mtp.safetensors`; transformers' Qwen3NextForCausalLM has no such layer): `mtp.fc` over
+[pre_fc_norm_embedding(embed(token)); pre_fc_norm_hidden(target hidden)], one full-attention decoder layer
+`mtp.layers.0` (query-gated attention, the routed and shared experts) and `mtp.norm`; embeddings and head are
+the target's. SGLang's Qwen3NextForCausalLMMTP (models/qwen3_next_mtp.py:57-78) loads them by renaming `mtp.fc`
+and the two pre-fc norms to its own attributes and every other `mtp.` to `model.` (models/qwen3_next.py:1173-1184).
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from typing import ClassVar
 import torch
 
 from vamp_sglang.tiny_moe.common import FLOAT32_BYTES
+from vamp_sglang.tiny_moe.deepseek import MTP_WEIGHTS
 from vamp_sglang.tiny_moe.qwen3_moe import Qwen3MoeSpec
 
 # Qwen3-Next's RMSNorms scale by (1 + weight) (SGLang's GemmaRMSNorm), so their neutral weight is 0;
 # the gated norm inside linear attention scales by weight.
 _UNIT_NORM_AT_ZERO = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
-                      "q_norm.weight", "k_norm.weight")
+                      "q_norm.weight", "k_norm.weight", "mtp.norm.weight", "pre_fc_norm_embedding.weight",
+                      "pre_fc_norm_hidden.weight")
 A_RANGE = (0.05, 1.0)  # decay rate exp(A_log): state kept over a few tokens, not forgotten at once
 
 
@@ -32,6 +41,8 @@ class Qwen3NextSpec(Qwen3MoeSpec):
     arch: ClassVar[str] = "qwen3_next"
     architecture: ClassVar[str] = "Qwen3NextForCausalLM"
     config_class: ClassVar[str] = "Qwen3NextConfig"
+
+    mtp_layers: ClassVar[int] = 1  # SGLang's Qwen3-Next MTP draft is one layer (configs/model_config.py:1134-1136)
 
     layers: int = 8
     full_attention_interval: int = 4  # layer i has full attention iff (i + 1) % interval == 0
@@ -81,6 +92,18 @@ class Qwen3NextSpec(Qwen3MoeSpec):
             f"{p}.mlp.shared_expert.down_proj.weight": (h, shared),
         }
 
+    def side_files(self, vocab_size: int) -> dict[str, dict[str, tuple[int, ...]]]:
+        """The MTP layer (unquantised checkpoints): the names of the first full-attention layer at `mtp.layers.0`
+        (its own draws; SGLang's MTP model builds its one layer as attention, full_attention_interval 1), the
+        fc over [embedding; hidden] and its two input norms, and the final norm."""
+        if "mtp_layers" not in self.as_manifest():
+            return {}
+        h, first = self.hidden, f"model.layers.{self.attention_layers[0]}."
+        shapes = {"mtp.layers.0." + name.removeprefix(first): shape
+                  for name, shape in self.tensor_shapes(vocab_size).items() if name.startswith(first)}
+        return {MTP_WEIGHTS: shapes | {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                                       "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}}
+
     def _linear_attention_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
         """Gated DeltaNet: fused q/k/v/z and b/a projections, a depthwise causal conv, decay and output."""
         h = self.hidden
@@ -126,6 +149,11 @@ class Qwen3NextSpec(Qwen3MoeSpec):
         config.full_attention_interval = self.full_attention_interval
         config.rope_theta = config.rope_parameters["rope_theta"]
         return config
+
+    def as_manifest(self) -> dict:
+        """With the MTP layer's count where one is written, so a checkpoint written before it is redone."""
+        written = self.mtp_layers if self.quant == "none" else 0
+        return super().as_manifest() | ({"mtp_layers": written} if written else {})
 
     def manifest_extras(self) -> dict[str, int]:
         """The per-request linear-attention state: memory that is neither KV nor experts."""
