@@ -181,7 +181,7 @@ def test_conv_prefill_varlen_with_initial_states_matches_naive_and_decode():
     assert torch.equal(states[1], before[1])
 
 
-def test_conv_update_skips_pad_slots_and_refuses_speculative_arguments():
+def test_conv_update_skips_pad_slots_and_refuses_tree_and_circular_arguments():
     weight = torch.randn(D, W, generator=_gen(17))
     states = torch.randn(3, D, W - 1, generator=_gen(19))
     before = states.clone()
@@ -189,7 +189,11 @@ def test_conv_update_skips_pad_slots_and_refuses_speculative_arguments():
                                    conv_state_indices=torch.tensor([-1, 2]))
     assert torch.equal(out[0], torch.zeros(D)) and torch.equal(states[:2], before[:2])
     assert not torch.equal(states[2], before[2])
-    with pytest.raises(NotImplementedError, match="speculative"):
+    with pytest.raises(NotImplementedError, match="retrieve_next_token"):  # tree drafts
+        ops.causal_conv1d_update(torch.randn(1, D), states, weight, retrieve_next_token=states)
+    with pytest.raises(NotImplementedError, match="cache_seqlens"):
+        ops.causal_conv1d_update(torch.randn(1, D), states, weight, cache_seqlens=torch.tensor([0]))
+    with pytest.raises(ValueError, match="intermediate_state_indices"):
         ops.causal_conv1d_update(torch.randn(1, D), states, weight, intermediate_conv_window=states)
 
 

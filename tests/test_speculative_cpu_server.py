@@ -81,7 +81,7 @@ def agreeing_draft(source: Path, out: Path) -> Path:
     target["model.embed_tokens.weight"] *= DOMINANCE
     save_file(target, str(out / WEIGHTS), metadata={"format": "pt"})
     draft = load_file(str(source / MTP_WEIGHTS))
-    (name,) = [n for n in draft if n.endswith("eh_proj.weight")]
+    (name,) = [n for n in draft if n.endswith(("eh_proj.weight", "mtp.fc.weight"))]  # DeepSeek's, Qwen3-Next's
     hidden = draft[name].shape[0]
     draft[name] = torch.cat([DOMINANCE * torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
     save_file(draft, str(out / MTP_WEIGHTS), metadata={"format": "pt"})

@@ -80,17 +80,26 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
                          intermediate_conv_window=None, intermediate_state_indices=None,
                          retrieve_next_token=None, retrieve_next_sibling=None, retrieve_parent_token=None,
                          pad_slot_id: int = PAD_SLOT_ID, **_unused) -> torch.Tensor:
-    """Decode step: x `[bs, D]` (or `[bs, D, L]`) -> same shape; each request's conv state shifts in place."""
-    speculative = (cache_seqlens, num_accept_tokens, intermediate_conv_window, intermediate_state_indices,
-                   retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
-    if any(arg is not None for arg in speculative):
-        raise NotImplementedError("causal_conv1d_update: circular buffers and speculative verification are "
-                                  "not supported on CPU")
+    """Decode step: x `[bs, D]` (or `[bs, D, L]`) -> same shape; each request's conv state shifts in place.
+
+    A speculative verify (EAGLE/NEXTN chain, L draft tokens) also passes `intermediate_conv_window`
+    `[rows, L, D, W-1]`: row intermediate_state_indices[b], step t gets the window after draft token t, from
+    which SGLang restores the accepted step's state after the verify (the Triton kernel's SAVE_INTERMEDIATE).
+    """
+    unsupported = {"cache_seqlens": cache_seqlens, "num_accept_tokens": num_accept_tokens,
+                   "retrieve_next_token": retrieve_next_token, "retrieve_next_sibling": retrieve_next_sibling,
+                   "retrieve_parent_token": retrieve_parent_token}
+    if given := [name for name, arg in unsupported.items() if arg is not None]:
+        raise NotImplementedError(f"causal_conv1d_update: {', '.join(given)} (circular buffers, tree drafts) "
+                                  f"not supported on CPU")
+    if (intermediate_conv_window is None) != (intermediate_state_indices is None):
+        raise ValueError("causal_conv1d_update: intermediate_conv_window needs intermediate_state_indices")
     squeeze = x.dim() == 2
     tokens_all = x[..., None] if squeeze else x
     width = weight.shape[-1]
     state_len = conv_state.shape[-1]
     slots = (conv_state_indices.tolist() if conv_state_indices is not None else list(range(x.shape[0])))
+    rows = None if intermediate_state_indices is None else intermediate_state_indices.tolist()
     out = torch.zeros_like(tokens_all)
     for row, slot in enumerate(slots):
         if slot == pad_slot_id:
@@ -98,6 +107,9 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         window = torch.cat([conv_state[slot].float(), tokens_all[row].float()], dim=-1)
         out[row] = _depthwise_conv(window[:, state_len - (width - 1):], weight, bias, activation).to(out.dtype)
         conv_state[slot] = window[:, -state_len:].to(conv_state.dtype)
+        if rows is not None and rows[row] >= 0:
+            steps = window.unfold(-1, width - 1, 1)[:, state_len - width + 2:]  # [D, L, W-1]: after token t
+            intermediate_conv_window[rows[row]] = steps.transpose(0, 1).to(intermediate_conv_window.dtype)
     return out[..., 0] if squeeze else out
 
 
@@ -112,11 +124,13 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def delta_rule_recurrence(q, k, v, g, beta, state, scale: float, l2norm: bool) -> torch.Tensor:
+def delta_rule_recurrence(q, k, v, g, beta, state, scale: float, l2norm: bool,
+                          trace: torch.Tensor | None = None) -> torch.Tensor:
     """Run the gated delta rule over N independent sequences of T tokens; updates `state` in place.
 
     q, k `[N, T, H, K]`; v `[N, T, HV, V]`; g, beta `[N, T, HV]`; state `[N, HV, K, V]` fp32.
     Per token: S *= exp(g); S += k (beta (v - S^T k))^T; o = S^T (q * scale). Returns o `[N, T, HV, V]` fp32.
+    `trace` `[N, T, HV, K, V]`, when given, receives the state after each token.
     """
     group = v.shape[2] // q.shape[2]
     q = q.float().repeat_interleave(group, dim=2)
@@ -132,11 +146,16 @@ def delta_rule_recurrence(q, k, v, g, beta, state, scale: float, l2norm: bool) -
         delta = (v[:, t] - torch.einsum("nhkv,nhk->nhv", state, k_t)) * beta[:, t, :, None]
         state.add_(k_t[..., :, None] * delta[..., None, :])
         out[:, t] = torch.einsum("nhkv,nhk->nhv", state, q[:, t])
+        if trace is not None:
+            trace[:, t] = state
     return out
 
 
-def _run_per_slot(q, k, v, g, beta, pool, slots, cu_seqlens, scale, l2norm) -> torch.Tensor:
-    """The recurrence for each request of a varlen batch (B == 1) from and back to its pool slot."""
+def _run_per_slot(q, k, v, g, beta, pool, slots, cu_seqlens, scale, l2norm, verify=None) -> torch.Tensor:
+    """The recurrence for each request of a varlen batch (B == 1) from and back to its pool slot.
+
+    `verify` (buffer `[rows, T, HV, V, K]`, row per request): a speculative verify, which leaves the pool
+    as it was and writes each request's state after every draft token to its row instead."""
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     bounds = cu_seqlens.tolist()
     lengths = {hi - lo for lo, hi in itertools.pairwise(bounds)}
@@ -152,9 +171,16 @@ def _run_per_slot(q, k, v, g, beta, pool, slots, cu_seqlens, scale, l2norm) -> t
         state[valid] = pool[ids[valid]].float().transpose(-1, -2)
         shape = (len(seqs), (hi - lo) // len(seqs))  # [requests, tokens each]
         q_, k_, v_, g_, beta_ = (x[0, lo:hi].reshape(*shape, *x.shape[2:]) for x in (q, k, v, g, beta))
-        o = delta_rule_recurrence(q_, k_, v_, g_, beta_, state, scale, l2norm)
+        trace = None if verify is None else state.new_empty(shape[0], shape[1], *state.shape[1:])
+        o = delta_rule_recurrence(q_, k_, v_, g_, beta_, state, scale, l2norm, trace)
         out[0, lo:hi] = o.reshape(hi - lo, *o.shape[2:]).to(out.dtype)
-        pool[ids[valid]] = state[valid].transpose(-1, -2).to(pool.dtype)
+        if verify is None:
+            pool[ids[valid]] = state[valid].transpose(-1, -2).to(pool.dtype)
+            continue
+        buffer, rows = verify
+        for n, seq in enumerate(seqs):
+            if rows[seq] >= 0:
+                buffer[rows[seq]] = trace[n].transpose(-1, -2).to(buffer.dtype)
     return out
 
 
@@ -175,12 +201,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state, cu_seqlens, initi
 def fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, initial_state_source,
                                            initial_state_indices, cu_seqlens, use_qk_l2norm_in_kernel: bool,
                                            softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
-                                           scale: float | None = None) -> torch.Tensor:
+                                           scale: float | None = None, disable_state_update: bool = False,
+                                           intermediate_states_buffer: torch.Tensor | None = None,
+                                           intermediate_state_indices: torch.Tensor | None = None,
+                                           retrieve_parent_token: torch.Tensor | None = None) -> torch.Tensor:
     """Decode: gating from a, b (as `fused_gdn_gating`), then the recurrence from and back to the pool.
 
     q, k `[1, N, H, K]`; v `[1, N, HV, V]`; a, b `[N, HV]`; cu_seqlens `[bs + 1]`. Returns `[1, N, HV, V]`.
+    A speculative verify (SGLang's TritonGDNKernel.target_verify, gdn_triton.py:217-255) passes
+    `disable_state_update` and `intermediate_states_buffer` `[rows, T, HV, V, K]`: the pool stays, and row
+    intermediate_state_indices[b] step t gets request b's state after draft token t (chains only).
     """
+    if retrieve_parent_token is not None:
+        raise NotImplementedError("fused_sigmoid_gating_delta_rule_update: tree drafts are not supported on CPU")
+    if disable_state_update != (intermediate_states_buffer is not None) or (
+            (intermediate_states_buffer is None) != (intermediate_state_indices is None)):
+        raise ValueError("fused_sigmoid_gating_delta_rule_update: a verify passes disable_state_update, "
+                         "intermediate_states_buffer and intermediate_state_indices together")
     g, beta = fused_gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    verify = None if intermediate_states_buffer is None else (intermediate_states_buffer,
+                                                              intermediate_state_indices.tolist())
     return _run_per_slot(q, k, v, g, beta, initial_state_source, initial_state_indices.tolist(), cu_seqlens,
-                         scale, use_qk_l2norm_in_kernel)
+                         scale, use_qk_l2norm_in_kernel, verify)

@@ -16,6 +16,9 @@ torch_native lacks the attention of two (shared research `deploy-modes.md` secti
   and its mask is causal (the QLEN_ONLY mask `build_tree_kernel_efficient` lays out is lower-triangular), so
   `forward_extend` runs a causal extend with those lengths (`chain_attention`).
 - the draft's set-up: taking the target's embedding and head ends in a CUDA synchronize (`init_lm_head`).
+On a hybrid model (Qwen3-Next's MTP draft) the verify's linear-attention layers write each draft token's
+state to the state pool's per-draft-token buffers (the shim's conv and recurrent ops), and the accepted step's
+state goes back to the request's slot after the verify (`scatter_after_verify`, Triton-only in SGLang).
 Trees (top-k > 1) need the tree mask in both forwards; the launcher refuses them on CPU
 (refusals/speculative.py). The six `sgl_kernel` ops these forwards call are in the CPU shim.
 """
@@ -160,6 +163,27 @@ def init_lm_head(original, worker: Any) -> None:
         original(worker)
 
 
+def scatter_after_verify(mamba_caches: Any, state_indices: torch.Tensor, last_correct_step_indices: torch.Tensor,
+                         mamba_track_indices: torch.Tensor | None, mamba_steps_to_track: torch.Tensor | None,
+                         src_indices_raw: torch.Tensor | None = None) -> None:
+    """Replaces `scatter_mamba_states_after_mtp_verify` (kernels/ops/mamba/mamba_state_scatter_triton.py:
+    781-848, CUDA/XPU kernels): the recurrent state and every conv window of each request's last accepted
+    draft step go to its state slot (and to its track slot where one crosses an interval), through SGLang's
+    own torch gather-scatter (`HybridLinearAttnBackend._scatter_speculative_state_with_mask`)."""
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    scatter = HybridLinearAttnBackend._scatter_speculative_state_with_mask
+    pairs = [(mamba_caches.temporal, mamba_caches.intermediate_ssm),
+             *zip(mamba_caches.conv, mamba_caches.intermediate_conv_window, strict=True)]
+    targets = [(state_indices, last_correct_step_indices)]
+    if mamba_track_indices is not None:
+        targets.append((mamba_track_indices, mamba_steps_to_track))
+    for dst_indices, steps in targets:
+        for dst, src in pairs:
+            if dst.numel() > 0:
+                scatter(dst, src, dst_indices, steps, src_indices_raw)
+
+
 HOOKS = [
     Hook("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.init_lm_head", "around", init_lm_head,
          "CPU mode, EAGLE/NEXTN: the draft takes the target's embedding and head without a CUDA synchronize"),
@@ -169,4 +193,7 @@ HOOKS = [
     Hook("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend", "around",
          forward_extend,
          "CPU mode, EAGLE/NEXTN: the target's verify and the draft extend attend for the chain's rows only"),
+    Hook("sglang.srt.layers.attention.hybrid_linear_attn_backend.scatter_mamba_states_after_mtp_verify", "replace",
+         scatter_after_verify,
+         "CPU mode, NEXTN on Qwen3-Next: the accepted draft step's linear-attention state goes back to its slot"),
 ]
