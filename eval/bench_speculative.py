@@ -1,4 +1,4 @@
-"""`python -m eval.bench_speculative {deepseek,qwen3} [--only NAME,...] [--out-dir DIR]`
+"""`python -m eval.bench_speculative {deepseek,qwen3} [--only NAME,...] [--out-dir DIR] [--summarize-only]`
 
 The acceptance bench of speculative decoding with VAMP (issue 46, docs/speculative.md): the multi-turn
 workload past the cliff (`eval.bench --workload multiturn --sessions 8`) against three servers, one at a time,
@@ -14,7 +14,8 @@ running batch, the tokens it holds, the accept length and the step's throughput.
 generated tokens (running requests x accept length) over that throughput; it is kept only where no prefill
 ran since the previous decode step, so it is the step itself. A request's TPOT is then about
 (step wall time) / (accept length) plus the prefills that ran between its steps: `decode_steps` and
-`tpot_split` in the summary split TPOT into those parts. The load average is taken before and after each run
+`tpot_split` in the summary split TPOT into those parts, and `prefill_s_estimate` is the time of the gaps that
+held a prefill, less a step each (every running request waits through it). The load average is taken before and after each run
 (the machine may be shared). Writes `<model>.json` (the summary) under --out-dir, and each run's full
 `eval.bench` JSON and server log under `raw/` and `logs/` beside it.
 """
@@ -86,10 +87,15 @@ def summarize_steps(steps: list[DecodeStep]) -> dict[str, Any]:
     `wall_s_per_request` and `wall_ms_per_kv_token` normalise the step wall time by the running batch and by
     the tokens its requests hold, so two runs whose batches differ compare like with like."""
     pure = [s for s in steps if not s.after_prefill and s.tokens_per_s > 0]
+    after_prefill = [s.wall_s for s in steps if s.after_prefill and s.tokens_per_s > 0]
     by_batch: dict[int, list[float]] = {}
     for step in pure:
         by_batch.setdefault(step.running, []).append(step.wall_s)
+    pure_mean = _mean([s.wall_s for s in pure]) or 0.0
     return {
+        "pure_wall_s_total": sum(s.wall_s for s in pure),
+        # the gaps that held a prefill, less a pure step each: the prefills' time, the decode stalled meanwhile
+        "prefill_s_estimate": sum(after_prefill) - pure_mean * len(after_prefill),
         "steps": len(steps), "pure_steps": len(pure),
         "running_mean": _mean([s.running for s in steps]),
         "kv_tokens_mean": _mean([s.kv_tokens for s in steps]),
@@ -142,7 +148,7 @@ def prepare_model(model: str) -> tuple[Path, tuple[str, ...]]:
     return target, ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft))
 
 
-def run_summary(result: dict[str, Any], pool: int, load_before: tuple[float, ...]) -> dict[str, Any]:
+def run_summary(result: dict[str, Any], pool: int) -> dict[str, Any]:
     """The figures the docs table needs from one run's `eval.bench` result and its server log."""
     after = result.get("vamp_stats_after") or {}
     steps = summarize_steps(parse_steps(Path(result["server_log"]).read_text(errors="replace")))
@@ -155,7 +161,6 @@ def run_summary(result: dict[str, Any], pool: int, load_before: tuple[float, ...
         "speculation": after.get("speculation"), "decisions": after.get("decisions"),
         "staged_bytes": staging.get("bytes"), "staging_copy_s": staging.get("copy_s"),
         "decode_steps": steps, "tpot_split": tpot_split(result, steps),
-        "load_avg_1m_before": load_before[0], "load_avg_1m_after": os.getloadavg()[0],
     }
 
 
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", choices=("deepseek", "qwen3"))
     parser.add_argument("--only", help="comma-separated run names (default: all three, in order)")
     parser.add_argument("--out-dir", default="results/speculative")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="rebuild the summary from the runs under --out-dir/raw, starting no server")
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else ["ratio0-spec", "vamp20-spec", "ratio0-large"]
     unknown = sorted(set(names) - set(configs(())))
@@ -177,13 +184,20 @@ def main(argv: list[str] | None = None) -> None:
     (out / "raw").mkdir(parents=True, exist_ok=True)
     summary_path = out / f"{args.model}.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    model, speculation = prepare_model(args.model)
+    model, speculation = (None, ()) if args.summarize_only else prepare_model(args.model)
     for name in names:
         pool, config = configs(speculation)[name]
-        setup = ServerSetup(str(model), max_total_tokens=pool, log_dir=str(out / "logs"))
-        load = os.getloadavg()
-        result = run_one(setup, config, BenchSpec(), ReplayOptions(url=""), SESSIONS, 0, out / "raw")
-        summary[name] = run_summary(result, pool, load) | {"flags": list(config.flags)}
+        raw = out / "raw" / f"{name}__c{SESSIONS}__r0.json"
+        if args.summarize_only:
+            if not raw.is_file():
+                continue
+            summary[name] = summary.get(name, {}) | run_summary(json.loads(raw.read_text()), pool)
+        else:
+            setup = ServerSetup(str(model), max_total_tokens=pool, log_dir=str(out / "logs"))
+            load = os.getloadavg()[0]
+            result = run_one(setup, config, BenchSpec(), ReplayOptions(url=""), SESSIONS, 0, out / "raw")
+            summary[name] = run_summary(result, pool) | {
+                "flags": list(config.flags), "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
         summary_path.write_text(json.dumps(summary, indent=1))
         print(name, json.dumps(summary[name]), flush=True)
 

@@ -3,6 +3,8 @@ split built on them, and its refusal of an unknown run name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eval import bench_speculative as bs
@@ -50,6 +52,23 @@ def test_summary_keeps_the_pure_steps_and_normalises_them():
     assert summary["pure_wall_s_by_running"] == {"2": round((walls[0] + walls[1]) / 2, 4),
                                                  "3": round(walls[2], 4)}
     assert summary["running_mean"] == pytest.approx(2.5) and summary["accept_length_mean"] == pytest.approx(3.25)
+    assert summary["pure_wall_s_total"] == pytest.approx(sum(walls))
+    assert summary["prefill_s_estimate"] == pytest.approx(3 * 3.0 / 4.0 - sum(walls) / 3)  # the gap, less a step
+
+
+def test_summarize_only_rebuilds_from_the_raw_runs_and_keeps_the_load(tmp_path):
+    (tmp_path / "raw").mkdir()
+    log = tmp_path / "server.log"
+    log.write_text(LOG)
+    result = {"server_log": str(log), "tpot_mean_s": 1.0, "completed": 96, "vamp_stats_after": None}
+    (tmp_path / "raw" / "vamp20-spec__c8__r0.json").write_text(json.dumps(result))
+    (tmp_path / "qwen3.json").write_text(json.dumps({"vamp20-spec": {"load_avg_1m_before": 4.5}}))
+    bs.main(["qwen3", "--summarize-only", "--out-dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "qwen3.json").read_text())
+    assert list(summary) == ["vamp20-spec"]  # the runs without a raw result are left out
+    run = summary["vamp20-spec"]
+    assert run["load_avg_1m_before"] == 4.5 and run["completed"] == 96 and run["kv_pool_tokens_end"] == 4096
+    assert run["decode_steps"]["pure_steps"] == 3 and run["tpot_split"]["tpot_mean_s"] == 1.0
 
 
 def test_without_speculation_a_step_gives_each_request_one_token():
