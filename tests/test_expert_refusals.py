@@ -1,7 +1,8 @@
 """Expert features VAMP cannot serve are refused by name with VAMP on, before anything loads, whether or not
 `--ep-size` is given (review gpu-review-3, defects 3 and 6): the MoE all-to-all backends and the flags for
 which SGLang sets ep_size = tp_size itself, expert placement (EPLB, redundant experts, an initial expert
-location, elastic EP), and the routed-experts capture sized to the start-up pool. With VAMP off the flags
+location, elastic EP), the routed-experts capture sized to the start-up pool, the memory saver's release and
+resume, and the Transformers and MindSpore model implementations. With VAMP off the flags
 reach SGLang untouched."""
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ REFUSED = [  # (flags, what the refusal names)
     (["--enable-return-routed-experts"], "--enable-return-routed-experts"),
     (["--enable-lora"], "--enable-lora"),
     (["--lora-paths", "/adapters/a"], "--lora-paths"),
+    (["--enable-memory-saver"], "--enable-memory-saver"),
+    (["--model-impl", "transformers"], "--model-impl transformers"),
+    (["--model-impl", "mindspore"], "--model-impl mindspore"),
 ]
 
 
@@ -60,6 +64,7 @@ def test_every_moe_a2a_backend_sglang_lists_but_none_is_refused():
 @pytest.mark.parametrize("flags", [
     ["--ep-num-redundant-experts", "0"], ["--init-expert-location", "trivial"],
     ["--elastic-ep-backend", "none"], ["--moe-runner-backend", "triton"],
+    ["--model-impl", "auto"], ["--model-impl", "sglang"],
 ], ids=" ".join)
 def test_the_defaults_spelled_out_are_served(flags):
     assert launch_server.prepare(MODEL + flags + VAMP).vamp.enabled
@@ -69,6 +74,8 @@ def test_the_defaults_spelled_out_are_served(flags):
     ("moe-a2a-backend: deepep\n", "--moe-a2a-backend deepep"),
     ("enable-return-routed-experts: true\n", "--enable-return-routed-experts"),
     ("enable-lora: true\n", "--enable-lora"),
+    ("enable-memory-saver: true\n", "--enable-memory-saver"),
+    ("model-impl: transformers\n", "--model-impl transformers"),
 ])
 def test_the_same_set_in_a_config_file_is_refused(tmp_path, text, named):
     path = tmp_path / "server.yaml"

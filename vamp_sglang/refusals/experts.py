@@ -1,5 +1,6 @@
-"""Expert features VAMP cannot serve, refused by name with VAMP on (paths under sglang/srt of SGLang 0.5.23;
-the review behind this is research/gpu-review-3.md, defects 3 and 6).
+"""Expert features VAMP cannot serve, and the memory saver and model implementations around the experts,
+refused by name with VAMP on (paths under sglang/srt of SGLang 0.5.23; the review behind the first five is
+research/gpu-review-3.md, defects 3 and 6).
 
 - Expert parallelism SGLang turns on by itself, past the launcher's `--ep-size > 1` refusal: each MoE
   all-to-all backend in `_A2A_EP_SPANNING_BACKENDS` gets `ep_size = tp_size`
@@ -18,6 +19,12 @@ the review behind this is research/gpu-review-3.md, defects 3 and 6).
   (model_executor/model_runner.py:1222-1238, mem_cache/kv_index_translator.py:260-268), and indexed by KV
   location (state_capturer/base.py:117-118, 219-220), so the first token written to a grown row raises
   IndexError in the scheduler; compaction would also move KV rows without their captured experts.
+- `--enable-memory-saver`: `release_memory_occupation` pauses what SGLang allocated in its weight and KV
+  regions (managers/scheduler_components/weight_updater.py:337-374), while VAMP's expert pages and grown KV
+  buffers are VAMP's own mappings, which a release keeps held and a resume does not restore.
+- `--model-impl transformers|mindspore`: the Transformers backend routes in Transformers' own modules and hands
+  the ids to `TransformersFusedMoE` through a custom op (models/transformers.py:329-420), past SGLang's TopK
+  layer, where VAMP reads the ids for routed staging and applies its expert order; no test covers it.
 These stay refused when the launcher's generic `--ep-size` and DP-attention refusals are lifted. No SGLang
 import: the launcher answers in a second.
 """
@@ -34,6 +41,11 @@ _LORA = ("LoRA's MoE wrapper runs the experts outside VAMP's staging (lora/layer
 _ROUTED_CAPTURE = ("its routed-experts host cache is sized to the start-up KV pool and indexed by KV "
                    "location, so the first token in a grown row would raise IndexError in the scheduler")
 
+_MEMORY_SAVER = ("its release and resume pause SGLang's weight and KV regions, not VAMP's expert pages and grown "
+                 "KV buffers (managers/scheduler_components/weight_updater.py:337-374)")
+_MODEL_IMPL = ("its router runs outside SGLang's TopK layer, where VAMP reads routed ids and applies its expert "
+               "order (models/transformers.py:329-420); untested with VAMP: use --model-impl sglang")
+
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The SGLang flags `refused` reads, for the launcher's SGLang-free view of the argv."""
@@ -43,14 +55,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-expert-location", default="trivial")
     parser.add_argument("--ep-num-redundant-experts", type=int, default=0)
     for flag in ("--enable-waterfill", "--enable-prefill-cp", "--enable-eplb",
-                 "--enable-return-routed-experts", "--enable-lora"):
+                 "--enable-return-routed-experts", "--enable-lora", "--enable-memory-saver"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--lora-paths", nargs="*", default=None)
+    parser.add_argument("--model-impl", default="auto")
 
 
 def refused(sg: argparse.Namespace) -> str | None:
     """The refusal, naming the flag and its value, of the first expert feature VAMP cannot serve; or None."""
     redundant, location, elastic = sg.ep_num_redundant_experts, sg.init_expert_location, sg.elastic_ep_backend
+    impl = sg.model_impl
     named = [
         (f"--moe-a2a-backend {sg.moe_a2a_backend}", sg.moe_a2a_backend != "none", _EP),
         ("--moe-runner-backend megamoe", sg.moe_runner_backend == "megamoe",
@@ -65,5 +79,7 @@ def refused(sg: argparse.Namespace) -> str | None:
         ("--enable-return-routed-experts", sg.enable_return_routed_experts, _ROUTED_CAPTURE),
         ("--enable-lora", sg.enable_lora, _LORA),
         ("--lora-paths", sg.lora_paths is not None, f"it turns on --enable-lora: {_LORA}"),
+        ("--enable-memory-saver", sg.enable_memory_saver, _MEMORY_SAVER),
+        (f"--model-impl {impl}", impl not in ("auto", "sglang"), _MODEL_IMPL),
     ]
     return next((f"{flag} {_SUFFIX} ({why})" for flag, on, why in named if on), None)
