@@ -195,11 +195,12 @@ class StagingEngine:
         return self._timing.stats(self._step)
 
     def served_stats(self) -> StagingStats:
-        """What `/vamp/stats` reports: the figures after `exclude_warmup` (all of them before it is called)."""
+        """What `/vamp/stats` reports: the figures less those `exclude_from_served` took out."""
         return self._timing.served(self._step)
 
-    def exclude_warmup(self) -> None:
-        self._timing.exclude_until(self._step)
+    def exclude_from_served(self, since: StagingStats | None = None) -> None:
+        """What was counted after `since` (a `stats()` snapshot; None: from start-up) is not served traffic."""
+        self._timing.exclude(self._step, since)
 
     def close(self) -> None:
         self.drain()

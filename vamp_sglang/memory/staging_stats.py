@@ -7,9 +7,9 @@ with the worker's and the waiting thread's clocks. Each figure is also kept per 
 read-back copy is reported to the staging choice (staging_choice.py), which picks later steps' modes
 from these measurements.
 
-What `/vamp/stats` reports is served traffic (issue 49): the steps SGLang's HTTP warm-up request ran are
-excluded (`exclude_until`), while the measurements the decisions difference (the cumulative wait) keep
-counting from start-up.
+What `/vamp/stats` reports is served traffic (issue 49): what the warm-up request and health probes
+staged is excluded (`exclude`, integration/metrics/served_traffic.py), while the measurements the decisions
+difference (the cumulative wait) keep counting from start-up.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class StagingLedger:
         self.bytes, self.copies, self.unprefetched = 0, 0, 0
         self.wait_s, self.copy_s, self.stalls, self.timed = 0.0, 0.0, 0, 0
         self.by_mode = {m: {"steps": 0, "bytes": 0, "copy_s": 0.0, "wait_s": 0.0} for m in (WHOLE, ROUTED, HOST)}
-        self._excluded: StagingStats | None = None  # the figures at the end of the warm-up
+        self._excluded: StagingStats | None = None  # the figures counted outside served traffic
         self._step_open = (-1, 0.0, 0.0)  # (step, copy_s, wait_s) being summed while its copies are read
         self._step_done = (0.0, 0.0)
 
@@ -106,9 +106,12 @@ class StagingLedger:
                             steps, self.timed, *self._step_done,
                             by_mode={m: dict(v) for m, v in self.by_mode.items()})
 
-    def exclude_until(self, steps: int) -> None:
-        """What was counted so far is not served traffic: `served` reports only what comes after."""
-        self._excluded = self.stats(steps)
+    def exclude(self, steps: int, since: StagingStats | None) -> None:
+        """What was counted after `since` (a `stats` snapshot; None: everything so far) is not served:
+        the excluded figures become now - (served at `since`)."""
+        now = self.stats(steps)
+        served_then = None if since is None else since if self._excluded is None else since.since(self._excluded)
+        self._excluded = now if served_then is None else now.since(served_then)
 
     def served(self, steps: int) -> StagingStats:
         stats = self.stats(steps)

@@ -20,6 +20,7 @@ from typing import Any
 from vamp_sglang.integration.decisions.prefill_timing import forward_stream_of
 from vamp_sglang.integration.decisions.shortfall import DecisionMaker
 from vamp_sglang.integration.hooks import Hook
+from vamp_sglang.integration.metrics.served_traffic import health_probe
 from vamp_sglang.integration.runtime import current
 
 _site: contextvars.ContextVar[tuple[str, Any]] = contextvars.ContextVar("vamp_site", default=("prefill", None))
@@ -99,7 +100,7 @@ def _around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **k
         result = original(scheduler, batch, *args, **kwargs)
     try:  # our bookkeeping must never take the scheduler down
         measurements.prefills_completed()
-        measurements.after_forward(decode)
+        measurements.after_forward(decode, health_probe(batch))
         decider.restorer.maybe_restore()
     except Exception as e:  # noqa: BLE001
         decider.decision_error(e, None)

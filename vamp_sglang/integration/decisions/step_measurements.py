@@ -8,12 +8,8 @@ Paper section V calibrates the cost model online; here each forward feeds
   and what staging cost that decode step: its wait for the staging copies, per offloaded group.
 These are local timings; plan_inputs.py agrees them across ranks before a plan uses them.
 
-It also marks where served traffic starts for `/vamp/stats` (issue 49): SGLang's HTTP server sends one
-warm-up request once the scheduler runs (http_server._execute_server_warmup, unless
---skip-server-warmup), before it reports itself up; its steps are not served traffic. The scheduler
-cannot tell that request from others, but it runs alone: the first time the scheduler is fully idle after
-a forward, the steps so far (the warm-up's, and any dummy forwards before it) are excluded from the
-staging and host-expert figures /vamp/stats reports. The measurements above keep them.
+The same feeds tell /vamp/stats which forwards were served traffic (metrics/served_traffic.py: not the
+warm-up request, not health probes); the measurements above keep every forward.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import time
 from typing import Any
 
 from vamp_sglang.integration.decisions.prefill_timing import PrefillTimer
+from vamp_sglang.integration.metrics.served_traffic import ServedTraffic
 from vamp_sglang.policy import Coefficients
 from vamp_sglang.policy.calibration import Calibrator
 from vamp_sglang.policy.tpot_guard import TpotGuard
@@ -34,8 +31,7 @@ class StepMeasurements:
                  warmup: bool | None = None) -> None:
         """`warmup`: whether SGLang sends its warm-up request (None: read --skip-server-warmup)."""
         self.memory = memory
-        self._awaiting_warmup = server_warms_up() if warmup is None else warmup
-        self._forwards = 0
+        self.served = ServedTraffic(memory.experts, server_warms_up() if warmup is None else warmup)
         self.calibrator = Calibrator.starting_from(base_coefficients)
         self.prefill_timer = PrefillTimer(memory.experts.backend.device)  # t_prefill, where results are ready
         self.guard = TpotGuard(config.tpot_slo_ms) if config.tpot_slo_ms else None
@@ -48,12 +44,12 @@ class StepMeasurements:
         for tokens, seconds in self.prefill_timer.completed():
             self.calibrator.observe_prefill(tokens, seconds)
 
-    def after_forward(self, decode: bool) -> None:
+    def after_forward(self, decode: bool, probe: bool = False) -> None:
         """Staging cost of the forward that just ran: c_eff per offloaded shard (Eq. 3, section V); and,
         for the TPOT guard, what a decode step waited for its copies. Only that wait is attributed to
         offloading (issue 19.11): a baseline of step times taken while nothing was offloaded went stale
-        as the batch grew, and charged every slower step to the experts."""
-        self._forwards += 1
+        as the batch grew, and charged every slower step to the experts. `probe`: a health probe's forward."""
+        self.served.after_forward(probe)
         staging = self.memory.experts.engine.stats()
         wait_s = float(staging.wait_s)
         waited_s, self._staging_wait_seen_s = wait_s - self._staging_wait_seen_s, wait_s
@@ -72,15 +68,10 @@ class StepMeasurements:
         self._last_decode_start_s = now
 
     def idle(self) -> None:
-        """An idle poll breaks the chain of decode steps: the next one starts a new interval. The first
-        after a forward ends the warm-up."""
+        """An idle poll breaks the chain of decode steps: the next one starts a new interval (and the
+        first after a forward ends the warm-up)."""
         self._last_decode_start_s = None
-        if self._awaiting_warmup and self._forwards:
-            self._awaiting_warmup = False
-            experts = self.memory.experts
-            experts.engine.exclude_warmup()
-            if experts.host is not None:
-                experts.host.pairs = experts.host.steps = 0
+        self.served.idle()
 
     def on_retracted(self, reqs: list[Any]) -> None:
         now = time.perf_counter()
