@@ -125,3 +125,24 @@ def test_a_draft_whose_kv_row_differs_from_the_targets_is_refused(tmp_path, caps
     err = _refused([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)],
                    capsys)
     assert "--speculative-draft-model-path" in err and "KV row" in err
+
+
+@pytest.mark.long  # writing the two tiny checkpoints takes about 15 s here
+def test_the_tiny_checkpoints_grow_as_the_cpu_server_measured_with_speculation(tmp_path, capsys):
+    """tests/test_speculative_vamp_server.py (2026-12-07, docs/speculative.md): VAMP-20 on a 512-token float32
+    pool grew the tiny DeepSeek-V3 with its MTP draft to 33,280 tokens and the tiny Qwen3-MoE with its EAGLE3
+    draft to 12,800. Without the MTP layer's buffer the planner would say 39,834."""
+    from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
+    from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
+
+    small = ["--gpu-mem-gib", "4", "--tp", "1", "--max-total-tokens", "512", "--dtype", "float32", "--ratios", "0.2",
+             "--json"]
+    deepseek = str(make_checkpoint(tmp_path / "deepseek", arch="deepseek_v3"))
+    qwen = make_checkpoint(tmp_path / "qwen", arch="qwen3_moe")
+    draft = str(write_eagle3_draft(qwen, tmp_path / "draft"))
+    mtp = _run(["--model", deepseek, *small, "--speculative-algorithm", "EAGLE"], capsys)
+    eagle3 = _run(["--model", str(qwen), *small, "--speculative-algorithm", "EAGLE3",
+                   "--speculative-draft-model-path", draft], capsys)
+    assert mtp["ratios"]["0.2"]["kv_pool_tokens"] == 33280
+    assert _run(["--model", deepseek, *small], capsys)["ratios"]["0.2"]["kv_pool_tokens"] > 33280
+    assert eagle3["ratios"]["0.2"]["kv_pool_tokens"] == 12800
