@@ -15,7 +15,8 @@ generated tokens (running requests x accept length) over that throughput; it is 
 ran since the previous decode step, so it is the step itself. A request's TPOT is then about
 (step wall time) / (accept length) plus the prefills that ran between its steps: `decode_steps` and
 `tpot_split` in the summary split TPOT into those parts, and `prefill_s_estimate` is the time of the gaps that
-held a prefill, less a step each (every running request waits through it). The load average is taken before and after each run
+held a prefill, less a step each (every running request waits through it); `tpot_split.png` draws the split
+for every model summarised under --out-dir. The load average is taken before and after each run
 (the machine may be shared). Writes `<model>.json` (the summary) under --out-dir, and each run's full
 `eval.bench` JSON and server log under `raw/` and `logs/` beside it.
 """
@@ -164,6 +165,34 @@ def run_summary(result: dict[str, Any], pool: int) -> dict[str, Any]:
     }
 
 
+def plot_tpot_split(summaries: dict[str, dict[str, Any]], path: Path) -> None:
+    """One bar per (model, run): TPOT as the decode step's own cost per token plus the rest (prefills run
+    between a request's steps), labelled with the run's output tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{model} {name}", run) for model, runs in summaries.items() for name, run in runs.items()
+            if run["tpot_split"]["decode_step_s_per_token"] is not None]
+    labels, runs = [r[0] for r in rows], [r[1] for r in rows]
+    step = [1e3 * r["tpot_split"]["decode_step_s_per_token"] for r in runs]
+    other = [max(1e3 * r["tpot_split"]["other_s_per_token"], 0.0) for r in runs]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.2))
+    ax.barh(labels, step, label="decode step / accept length")
+    ax.barh(labels, other, left=step, label="rest (prefills between steps)")
+    for y, (s_ms, o_ms, run) in enumerate(zip(step, other, runs, strict=True)):
+        tokens_per_s = run.get("output_tokens_per_s")
+        if tokens_per_s is not None:
+            ax.text(s_ms + o_ms, y, f" {tokens_per_s:.1f} tok/s", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("TPOT (ms)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_speculative", description=__doc__.splitlines()[0])
     parser.add_argument("model", choices=("deepseek", "qwen3"))
@@ -200,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                 "flags": list(config.flags), "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
         summary_path.write_text(json.dumps(summary, indent=1))
         print(name, json.dumps(summary[name]), flush=True)
+    models = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    plot_tpot_split(models, out / "tpot_split.png")
 
 
 if __name__ == "__main__":

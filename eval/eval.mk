@@ -87,7 +87,7 @@ bench-decode-cost: install
 # Speculative decoding with VAMP (issue 46, docs/speculative.md): the multi-turn workload (8 sessions) against
 # ratio 0 and VAMP-20 with the same draft on a 4,096-token pool and ratio 0 without one on a 32,768-token pool,
 # for the tiny DeepSeek-V3 with its MTP draft (EAGLE) and the tiny Qwen3-MoE with its EAGLE3 draft; about
-# 40 minutes a model here. Summaries results/speculative/{deepseek,qwen3}.json.
+# 10 minutes a model here. Summaries results/speculative/{deepseek,qwen3}.json and tpot_split.png.
 bench-speculative: install
 	OMP_NUM_THREADS=1 $(PY) -m eval.bench_speculative deepseek --out-dir $(RESULTS)/speculative
 	OMP_NUM_THREADS=1 $(PY) -m eval.bench_speculative qwen3 --out-dir $(RESULTS)/speculative

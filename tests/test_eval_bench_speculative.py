@@ -69,6 +69,7 @@ def test_summarize_only_rebuilds_from_the_raw_runs_and_keeps_the_load(tmp_path):
     run = summary["vamp20-spec"]
     assert run["load_avg_1m_before"] == 4.5 and run["completed"] == 96 and run["kv_pool_tokens_end"] == 4096
     assert run["decode_steps"]["pure_steps"] == 3 and run["tpot_split"]["tpot_mean_s"] == 1.0
+    assert (tmp_path / "tpot_split.png").stat().st_size > 0
 
 
 def test_without_speculation_a_step_gives_each_request_one_token():
