@@ -18,7 +18,8 @@ ran since the previous decode step, so it is the step itself. A request's TPOT i
 held a prefill, less a step each (every running request waits through it); `tpot_split.png` draws the split
 for every model summarised under --out-dir. The load average is taken before and after each run
 (the machine may be shared). Writes `<model>.json` (the summary) under --out-dir, and each run's full
-`eval.bench` JSON and server log under `raw/` and `logs/` beside it.
+`eval.bench` JSON and server log under `raw/<model>/` and `logs/<model>/` beside it (the run names repeat
+across models).
 """
 
 from __future__ import annotations
@@ -210,21 +211,22 @@ def main(argv: list[str] | None = None) -> None:
     from eval.runners import run_one
 
     out = Path(args.out_dir)
-    (out / "raw").mkdir(parents=True, exist_ok=True)
+    raw_dir, log_dir = out / "raw" / args.model, out / "logs" / args.model
+    raw_dir.mkdir(parents=True, exist_ok=True)
     summary_path = out / f"{args.model}.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     model, speculation = (None, ()) if args.summarize_only else prepare_model(args.model)
     for name in names:
         pool, config = configs(speculation)[name]
-        raw = out / "raw" / f"{name}__c{SESSIONS}__r0.json"
+        raw = raw_dir / f"{name}__c{SESSIONS}__r0.json"
         if args.summarize_only:
             if not raw.is_file():
                 continue
             summary[name] = summary.get(name, {}) | run_summary(json.loads(raw.read_text()), pool)
         else:
-            setup = ServerSetup(str(model), max_total_tokens=pool, log_dir=str(out / "logs"))
+            setup = ServerSetup(str(model), max_total_tokens=pool, log_dir=str(log_dir))
             load = os.getloadavg()[0]
-            result = run_one(setup, config, BenchSpec(), ReplayOptions(url=""), SESSIONS, 0, out / "raw")
+            result = run_one(setup, config, BenchSpec(), ReplayOptions(url=""), SESSIONS, 0, raw_dir)
             summary[name] = run_summary(result, pool) | {
                 "flags": list(config.flags), "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
         summary_path.write_text(json.dumps(summary, indent=1))

@@ -57,11 +57,12 @@ def test_summary_keeps_the_pure_steps_and_normalises_them():
 
 
 def test_summarize_only_rebuilds_from_the_raw_runs_and_keeps_the_load(tmp_path):
-    (tmp_path / "raw").mkdir()
-    log = tmp_path / "server.log"
-    log.write_text(LOG)
-    result = {"server_log": str(log), "tpot_mean_s": 1.0, "completed": 96, "vamp_stats_after": None}
-    (tmp_path / "raw" / "vamp20-spec__c8__r0.json").write_text(json.dumps(result))
+    for model, completed in (("qwen3", 96), ("deepseek", 95)):  # one model's runs never stand for another's
+        (tmp_path / "raw" / model).mkdir(parents=True)
+        log = tmp_path / f"server-{model}.log"
+        log.write_text(LOG)
+        result = {"server_log": str(log), "tpot_mean_s": 1.0, "completed": completed, "vamp_stats_after": None}
+        (tmp_path / "raw" / model / "vamp20-spec__c8__r0.json").write_text(json.dumps(result))
     (tmp_path / "qwen3.json").write_text(json.dumps({"vamp20-spec": {"load_avg_1m_before": 4.5}}))
     bs.main(["qwen3", "--summarize-only", "--out-dir", str(tmp_path)])
     summary = json.loads((tmp_path / "qwen3.json").read_text())
