@@ -112,8 +112,17 @@ def test_the_accept_length_is_a_moving_average_of_each_windows_tokens_per_verify
     assert est.observe(accepted_tokens=30, verifies=10) == 3.0  # the first window is taken whole
     assert est.observe(30, 10) == 3.0  # no verify since: unchanged
     assert est.observe(40, 20) == pytest.approx(0.8 * 3.0 + 0.2 * 1.0)  # 10 tokens over 10 verifies
-    with pytest.raises(ValueError):
-        est.observe(10, 5)  # totals never go back
+
+
+def test_the_accept_length_survives_sglangs_flush_cache():
+    """POST /flush_cache zeroes SGLang's accept totals (reset_metrics, metrics_reporter.py:708-715): the
+    estimate stays and the next window counts from the totals read after the flush."""
+    from vamp_sglang.policy.costs import AcceptLengthEstimator
+
+    est = AcceptLengthEstimator()
+    assert est.observe(30_000, 10_000) == 3.0
+    assert est.observe(40, 10) == 3.0  # the flush and 10 verifies since: a window that starts here
+    assert est.observe(40 + 20, 10 + 10) == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)  # 20 tokens over 10 verifies
 
 
 def test_a_re_prefill_with_a_draft_also_runs_the_draft_extend():
@@ -167,3 +176,8 @@ def test_plan_inputs_read_the_accept_length_from_sglangs_counters():
     reporter.spec_total_num_accept_tokens, reporter.spec_total_num_forward_ct = 32, 10
     reporter.spec_num_accept_tokens = reporter.spec_num_forward_ct = 0
     assert inputs.accept_length(spec) == pytest.approx(3.2)
+    # POST /flush_cache: SGLang's reset_metrics zeroes totals and window; a decision still prices with 3.2
+    reporter.spec_total_num_accept_tokens = reporter.spec_total_num_forward_ct = 0
+    assert inputs.accept_length(spec) == pytest.approx(3.2)
+    reporter.spec_num_accept_tokens, reporter.spec_num_forward_ct = 20, 10
+    assert inputs.accept_length(spec) == pytest.approx(0.8 * 3.2 + 0.2 * 2.0)

@@ -238,21 +238,25 @@ class AcceptLengthEstimator:
     over the windows between readings (a window's mean weighs EMA_WEIGHT), so one lucky or unlucky stretch
     does not swing the offload price; 1.0 until the first verify.
 
-    It reads SGLang's running totals (tokens accepted, verifies), which only grow."""
+    It reads SGLang's running totals (tokens accepted, verifies). They grow, except that SGLang's
+    POST /flush_cache zeroes them (scheduler.py:5528, metrics_reporter.py:708-715 reset_metrics): totals
+    below the last reading restart the window from the new totals, keeping the estimate."""
 
     EMA_WEIGHT = 0.2  # the calibrator's smoothing
 
     def __init__(self) -> None:
         self.value: float = 1.0
+        self.windows = 0  # windows folded in so far
         self._seen = (0, 0)
 
     def observe(self, accepted_tokens: int, verifies: int) -> float:
         """Fold in the window since the last reading (totals so far); returns the new estimate."""
         tokens, steps = accepted_tokens - self._seen[0], verifies - self._seen[1]
-        if tokens < 0 or steps < 0:
-            raise ValueError(f"accept totals went back ({self._seen!r} -> {(accepted_tokens, verifies)!r})")
-        if steps:
+        if tokens < 0 or steps < 0:  # SGLang reset its totals: the next window starts here
+            self._seen = (accepted_tokens, verifies)
+        elif steps:
             window = max(tokens / steps, 1.0)  # a verify commits at least its bonus token
-            self.value = window if self._seen[1] == 0 else self.value + self.EMA_WEIGHT * (window - self.value)
+            self.value = window if not self.windows else self.value + self.EMA_WEIGHT * (window - self.value)
+            self.windows += 1
             self._seen = (accepted_tokens, verifies)
         return self.value
