@@ -6,6 +6,7 @@ SGLang 0.5.23 sizes the shared pool with the draft's layers in the cell (model_e
 is sized (managers/scheduler.py:1128-1137, mem_cache/kv_cache_configurator.py:3042).
 """
 
+import argparse
 import json
 
 import pytest
@@ -125,6 +126,49 @@ def test_a_draft_whose_kv_row_differs_from_the_targets_is_refused(tmp_path, caps
     err = _refused([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(tmp_path)],
                    capsys)
     assert "--speculative-draft-model-path" in err and "KV row" in err
+
+
+def _nextn_checkpoint(tmp_path):
+    """DeepSeek-V3's NextN checkpoint as its export writes it: the target's config, one layer, the NextN
+    architecture (SGLang builds its layer with is_nextn: MLA and a MoE layer with every routed expert)."""
+    (tmp_path / "nextn").mkdir()
+    (tmp_path / "nextn" / "config.json").write_text(json.dumps(
+        {**BUILTIN["deepseek-v3"], "architectures": ["DeepseekV3ForCausalLMNextN"], "num_hidden_layers": 1}))
+    return str(tmp_path / "nextn")
+
+
+def test_deepseeks_nextn_checkpoint_as_an_eagle_draft_is_priced_as_its_mtp_layer(tmp_path, capsys):
+    """DeepSeek's usual MTP launch (`EAGLE --speculative-draft-model-path <DeepSeek-V3-NextN>`), which the
+    server and the launcher serve (both MLA latents 576): the same MLA latent buffer and the same weights as
+    the target's own MTP layer (NEXTN), which SGLang builds from this checkpoint's config."""
+    from vamp_sglang.refusals.speculative import draft_row_refused
+
+    draft = _nextn_checkpoint(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(BUILTIN["deepseek-v3"]))
+    sg = argparse.Namespace(speculative_draft_model_path=draft, model_path=str(tmp_path / "target"), attn_dp_size=1,
+                            dp_size=1, enable_dp_attention=False, tp_size=8, attn_cp_size=1)
+    assert draft_row_refused(sg) is None
+    mtp = _run([*DEEPSEEK_TP8, "--speculative-algorithm", "NEXTN"], capsys)
+    nextn = _run([*DEEPSEEK_TP8, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft], capsys)
+    assert (nextn["draft"]["algorithm"], nextn["draft"]["source"]) == ("EAGLE", str(tmp_path / "nextn" / "config.json"))
+    assert nextn["draft"] | {"algorithm": None, "source": None} == mtp["draft"] | {"algorithm": None, "source": None}
+    assert (nextn["draft"]["kv_buffers"], nextn["draft"]["kv_bytes_per_token"]) == (1, 1152)
+    assert nextn["ratios"] == mtp["ratios"] and nextn["geometry"] == mtp["geometry"]
+
+
+def test_a_gqa_draft_on_an_mla_target_is_refused_as_the_launcher_refuses_it(tmp_path, capsys):
+    """One row rule (refusals/speculative.py) for the planner and the launcher: a Llama draft's KV heads against
+    DeepSeek's MLA latent, and DeepSeek's NextN against Qwen3-235B's heads, each named in the message."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(DRAFTS["qwen3-235b-a22b-eagle3"]))
+    err = _refused([*DEEPSEEK_TP8, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(llama)],
+                   capsys)
+    assert "--speculative-draft-model-path" in err and "1 KV heads x 128" in err and "MLA latent of 576" in err
+    err = _refused([*QWEN_TP4, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+                    _nextn_checkpoint(tmp_path)], capsys)
+    assert "MLA latent of 576" in err and "1 KV heads x 128" in err
 
 
 @pytest.mark.long  # writing the two tiny checkpoints takes about 15 s here

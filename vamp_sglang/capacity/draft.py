@@ -38,6 +38,7 @@ from vamp_sglang.memory.geometry import (
     geometry_from_config,
     kv_heads_per_rank,
 )
+from vamp_sglang.refusals.speculative import kv_row_mismatch
 
 ALGORITHM = "--speculative-algorithm"
 DRAFT_PATH = "--speculative-draft-model-path"
@@ -108,17 +109,18 @@ def draft_plan(algorithm: str, draft_path: str | None, config: Mapping[str, Any]
         raise DraftError(f"{ALGORITHM} {algorithm} on a hybrid model: VAMP refuses speculation there (the state "
                          "pool's per-draft-token tensors do not grow)")
     if draft_path is None:
-        return _mtp_plan(algorithm, config, geo, dtype, attn_tp, ep)
+        layers = int(config.get("num_nextn_predict_layers") or 0)
+        if layers < 1:
+            raise DraftError(f"{ALGORITHM} {algorithm} without {DRAFT_PATH} runs the model's MTP layers, and this "
+                             "model has none (num_nextn_predict_layers 0); pass an EAGLE draft")
+        return _mtp_plan(algorithm, config, layers, geo, dtype, attn_tp, ep, "mtp")
     source, draft = load_draft_config(draft_path)
+    if why := kv_row_mismatch(draft, config, attn_tp):
+        raise DraftError(f"{DRAFT_PATH} {draft_path}: {why}")
+    if draft.get("kv_lora_rank"):  # an MLA draft: a NextN checkpoint (DeepSeek's MTP layer as an EAGLE draft)
+        layers = int(draft.get("num_nextn_predict_layers") or config_int(draft, "num_hidden_layers"))
+        return _mtp_plan(algorithm, draft, layers, geo, dtype, attn_tp, ep, source)
     layers = config_int(draft, "num_hidden_layers")
-    heads = config_int(draft, "num_attention_heads")
-    head_dim = int(draft.get("head_dim") or config_int(draft, "hidden_size") // heads)
-    row = kv_heads_per_rank(draft, attn_tp) * head_dim * DTYPE_BYTES[dtype]
-    if geo.mla_latent_dim or row != geo.kv_row_bytes:
-        raise DraftError(f"{DRAFT_PATH} {draft_path}: the draft's KV row ({row} B per buffer on each of the "
-                         f"{attn_tp} attention-TP ranks) differs from the target's ({geo.kv_row_bytes} B"
-                         f"{', MLA' if geo.mla_latent_dim else ''}); VAMP grows both pools by one row count, "
-                         "which needs equal rows")
     weights = _llama_draft_bytes(draft, geo.hidden_size, geo.tp_size, attn_tp, DTYPE_BYTES[dtype],
                                  eagle3=algorithm == "EAGLE3")
     return DraftPlan(algorithm, layers, 2 * layers, _sglang_draft_cell(geo, layers), weights, 0, source)
@@ -129,24 +131,25 @@ def _sglang_draft_cell(geo: ModelGeometry, layers: int) -> int:
     return geo.kv_bytes_per_token * layers // len(geo.kv_layer_ids)
 
 
-def _mtp_plan(algorithm: str, config: Mapping[str, Any], geo: ModelGeometry, dtype: str, attn_tp: int,
-              ep: int) -> DraftPlan:
-    """The target's MTP layers: each priced as one more decoder layer of the target's (the same MoE layer rule,
-    so DeepSeek's is a MoE layer), with eh_proj and the draft's own embedding and head."""
-    layers = int(config.get("num_nextn_predict_layers") or 0)
-    if layers < 1:
-        raise DraftError(f"{ALGORITHM} {algorithm} without {DRAFT_PATH} runs the model's MTP layers, and this "
-                         "model has none (num_nextn_predict_layers 0); pass an EAGLE draft")
-    more = {**config, "num_hidden_layers": config_int(config, "num_hidden_layers") + layers}
+def _mtp_plan(algorithm: str, layer_config: Mapping[str, Any], layers: int, geo: ModelGeometry, dtype: str,
+              attn_tp: int, ep: int, source: str) -> DraftPlan:
+    """`layers` MTP layers of `layer_config` (the target's own, or a NextN checkpoint's, whose layer count is
+    SGLang's num_nextn_predict_layers, spec_aux_hidden_state.py:156-174): each priced as one more decoder
+    layer after the target's (the same MoE layer rule; SGLang builds it with is_nextn, deepseek_v2.py:2785,
+    so DeepSeek's is a MoE layer), with eh_proj and the draft's own embedding and head. Its KV is the
+    target's row (equal rows, checked): MLA's one latent buffer a layer."""
+    base = {**layer_config, "num_hidden_layers": geo.num_layers}
+    more = {**layer_config, "num_hidden_layers": geo.num_layers + layers}
+    geo_base = geometry_from_config(base, geo.tp_size, dtype, ep)
     geo_more = geometry_from_config(more, geo.tp_size, dtype, ep)
-    experts = (len(geo_more.moe_layer_ids) - len(geo.moe_layer_ids)) * geo.expert_bytes_per_layer
+    experts = (len(geo_more.moe_layer_ids) - len(geo_base.moe_layer_ids)) * geo_more.expert_bytes_per_layer
     layer_bytes = dense_weight_bytes(more, geo.tp_size, dtype, attn_tp, ep) \
-        - dense_weight_bytes(config, geo.tp_size, dtype, attn_tp, ep)
+        - dense_weight_bytes(base, geo.tp_size, dtype, attn_tp, ep)
     element, hidden = DTYPE_BYTES[dtype], geo.hidden_size
-    embed_head = 2 * (config_int(config, "vocab_size") * hidden // geo.tp_size * element)
+    embed_head = 2 * (config_int(layer_config, "vocab_size") * hidden // geo.tp_size * element)
     weights = experts + layer_bytes + layers * 2 * hidden * hidden * element + embed_head  # eh_proj [H, 2H]
     return DraftPlan(algorithm, layers, layers * geo.kv_buffers_per_layer, _sglang_draft_cell(geo, layers),
-                     weights, experts, "mtp")
+                     weights, experts, source)
 
 
 def _llama_draft_bytes(draft: Mapping[str, Any], target_hidden: int, tp: int, attn_tp: int, element: int,

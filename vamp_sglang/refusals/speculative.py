@@ -20,6 +20,8 @@ not VAMP. No SGLang import here: the launcher answers in a second.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
 from vamp_sglang.local_config import local_model_config
 
@@ -78,15 +80,23 @@ def draft_row_refused(sg: argparse.Namespace) -> str | None:
         return None
     attn_dp = sg.attn_dp_size if sg.attn_dp_size > 1 else (sg.dp_size if sg.enable_dp_attention else 1)
     attn_tp = max(1, sg.tp_size // max(1, attn_dp * sg.attn_cp_size))
+    why = kv_row_mismatch(draft, target, attn_tp)
+    return None if why is None else (f"{DRAFT_PATH} {sg.speculative_draft_model_path}: {why}; "
+                                     "run with --vamp-max-offload-ratio 0")
+
+
+def kv_row_mismatch(draft: Mapping[str, Any], target: Mapping[str, Any], attn_tp: int) -> str | None:
+    """Why a draft of config `draft` cannot grow with a target of config `target` on `attn_tp` attention-TP
+    ranks (their KV rows differ), or None: equal rows, or a row a config does not tell. The one rule the
+    launcher and the capacity planner (capacity/draft.py) apply."""
     (draft_row, draft_says), (target_row, target_says) = _kv_row(draft, attn_tp), _kv_row(target, attn_tp)
     if draft_row is None or target_row is None or draft_row == target_row:
         return None
-    return (f"{DRAFT_PATH} {sg.speculative_draft_model_path}: the draft's KV row ({draft_says} on each of "
-            f"{attn_tp} attention-TP ranks) differs from the target's ({target_says}), and VAMP grows both pools "
-            "by one row count, which needs equal rows; run with --vamp-max-offload-ratio 0")
+    return (f"the draft's KV row ({draft_says} on each of {attn_tp} attention-TP ranks) differs from the "
+            f"target's ({target_says}), and VAMP grows both pools by one row count, which needs equal rows")
 
 
-def _kv_row(config: dict, attn_tp: int) -> tuple[int | None, str]:
+def _kv_row(config: Mapping[str, Any], attn_tp: int) -> tuple[int | None, str]:
     """(elements of one token's row in one KV buffer on one rank, how the config makes it); None: unknown."""
     if config.get("kv_lora_rank"):
         latent = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
