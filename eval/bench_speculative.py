@@ -39,6 +39,7 @@ MODELS_DIR = Path("models")
 CHAIN = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
 STEP_LOG = ("--decode-log-interval", "1")
 SESSIONS = 8
+MODELS = ("deepseek", "qwen3")  # the summaries `--out-dir` holds (other JSON there is not a model's)
 POOL_TOKENS, LARGE_POOL_TOKENS = 4096, 32768
 _LINE = re.compile(r"^\[[^\]]+\] (Prefill|Decode) batch, (.*)$")
 _FIELD = re.compile(r"([#a-z][a-z \-()/]*): ([0-9.]+)")
@@ -196,7 +197,7 @@ def plot_tpot_split(summaries: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.bench_speculative", description=__doc__.splitlines()[0])
-    parser.add_argument("model", choices=("deepseek", "qwen3"))
+    parser.add_argument("model", choices=MODELS)
     parser.add_argument("--only", help="comma-separated run names (default: all three, in order)")
     parser.add_argument("--out-dir", default="results/speculative")
     parser.add_argument("--summarize-only", action="store_true",
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                 "flags": list(config.flags), "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
         summary_path.write_text(json.dumps(summary, indent=1))
         print(name, json.dumps(summary[name]), flush=True)
-    models = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    models = {m: json.loads((out / f"{m}.json").read_text()) for m in MODELS if (out / f"{m}.json").is_file()}
     plot_tpot_split(models, out / "tpot_split.png")
 
 

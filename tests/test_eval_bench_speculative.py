@@ -64,6 +64,7 @@ def test_summarize_only_rebuilds_from_the_raw_runs_and_keeps_the_load(tmp_path):
         result = {"server_log": str(log), "tpot_mean_s": 1.0, "completed": completed, "vamp_stats_after": None}
         (tmp_path / "raw" / model / "vamp20-spec__c8__r0.json").write_text(json.dumps(result))
     (tmp_path / "qwen3.json").write_text(json.dumps({"vamp20-spec": {"load_avg_1m_before": 4.5}}))
+    (tmp_path / "notes.json").write_text(json.dumps({"note": "not a model's summary"}))  # left out of the plot
     bs.main(["qwen3", "--summarize-only", "--out-dir", str(tmp_path)])
     summary = json.loads((tmp_path / "qwen3.json").read_text())
     assert list(summary) == ["vamp20-spec"]  # the runs without a raw result are left out
