@@ -94,7 +94,7 @@ HYBRID_REFUSED = [
     (["--enable-linear-replayssm"], "--enable-linear-replayssm"),
     (["--enable-linear-replayssm-spec"], "--enable-linear-replayssm-spec"),
     (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),  # no draft KV, but per-draft state
-    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),  # served on a dense model, not here
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),  # served on a dense model, not here
 ]
 
 

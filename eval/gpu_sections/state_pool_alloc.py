@@ -91,7 +91,7 @@ def _sglang_state_pool(layers: int, slots: int, device: torch.device) -> SimpleN
     cache = SimpleNamespace(conv=[conv], temporal=temporal, replayssm_d=None, replayssm_k=None, replayssm_g=None)
     mamba_pool = SimpleNamespace(size=slots, mamba_cache=cache, _raw=None, _slot_siblings=[])
     allocator = SimpleNamespace(free_slots=torch.arange(1, slots + 1, device=device), size=slots)
-    return SimpleNamespace(mamba_pool=mamba_pool, mamba_allocator=allocator)
+    return SimpleNamespace(mamba_pool=mamba_pool, mamba_allocator=allocator, size=slots)  # size: max requests
 
 
 def _layout(backend: PageBackend) -> ExpertLayout:

@@ -19,9 +19,14 @@ FEATURES = {
     "extra_buffer": "the extra_buffer state strategy (pass --mamba-radix-cache-strategy no_buffer)",
     "int8_checkpoints": "int8 state checkpoints (drop --enable-int8-mamba-checkpoint)",
     "replayssm": "ReplaySSM state rings (drop --enable-linear-replayssm and --enable-linear-replayssm-spec)",
-    "speculative": "speculative decoding's per-draft state, which VAMP's state pool growth does not lay out "
-                   "(drop --speculative-algorithm)",
+    "speculative": "a draft other than the model's own MTP layer (EAGLE or NEXTN), which VAMP has not served on "
+                   "a hybrid model (drop --speculative-algorithm or use NEXTN)",
 }
+# The speculation VAMP serves on a hybrid model: the MTP draft (SGLang's EAGLE worker; NEXTN is its alias). Its
+# per-draft-token state (MambaPool's intermediate_ssm / intermediate_conv_window) is one row per running
+# request (mem_cache/kv_cache_configurator.py:1718-1721, layers/attention/linear/utils.py:125-155), not per
+# state slot, so a state pool grown in slots needs no more of it (integration/memory/state_pool.py).
+MTP_DRAFTS = ("EAGLE", "NEXTN")
 
 
 def message(feature: str, seen: str = "") -> str:
@@ -46,7 +51,7 @@ def refused_by_flags(sg: argparse.Namespace) -> str | None:
         ("extra_buffer", (sg.mamba_radix_cache_strategy or "").startswith("extra_buffer")),
         ("int8_checkpoints", sg.enable_int8_mamba_checkpoint),
         ("replayssm", sg.enable_linear_replayssm or sg.enable_linear_replayssm_spec),
-        ("speculative", bool(sg.speculative_algorithm)),
+        ("speculative", (sg.speculative_algorithm or "").upper() not in ("", *MTP_DRAFTS)),
     ]
     return next((message(feature) for feature, on in named if on), None)
 

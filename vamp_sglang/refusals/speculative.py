@@ -7,8 +7,8 @@ count): the launcher refuses it from the two config.json files (`draft_row_refus
 (draft_pools.lay_draft_pool) refuses what the launcher could not read, such as a draft named by its hub id.
 The other draft algorithms are refused by name (`refused_with_vamp`): STANDALONE (a whole draft model),
 DFLASH, DSPARK, UNO, FROZEN_KV_MTP and plugin-registered ones build pools or state VAMP does not lay out.
-A hybrid model (Qwen3-Next) with any speculation stays refused by refusals/hybrid.py: its state pool's
-per-draft-token tensors do not grow.
+On a hybrid model (Qwen3-Next) refusals/hybrid.py serves its MTP draft (EAGLE, NEXTN) and refuses the rest:
+the state pool's per-draft-token tensors are one row per running request, so they need no growth.
 
 On `--device cpu` the EAGLE worker's attention is torch_native with the draft backends and target-verify
 forward of `vamp_sglang.cpu.speculative`, which lay out draft chains only: a tree draft

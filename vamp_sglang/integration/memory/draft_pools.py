@@ -109,10 +109,16 @@ def lay_draft_pool(pool: Any, target: GrowablePool) -> GrowablePool:
 
 
 def check_laid(pool: Any, target: GrowablePool | None, drafts: Sequence[GrowablePool]) -> None:
-    """A draft runner must be left with the target's pool or one `lay_draft_pool` laid: a pool built past the
+    """A draft runner must be left with the target's pool or one `lay_draft_pool` laid (or, on a hybrid model,
+    the HybridLinearKVPool around one, which then mirrors its size): a pool built past the
     hooked buffer creators (another `_create_buffers` path, or one made before the runner's
     `alloc_memory_pool`) keeps its start-up rows while the shared allocator hands out grown ids."""
     if pool is None or target is None or pool is target.pool or any(pool is d.pool for d in drafts):
+        return
+    inner = getattr(pool, "full_kv_pool", None)  # a hybrid draft (Qwen3-Next's MTP layer): the attention pool
+    laid = next((d for d in drafts if inner is not None and inner is d.pool), None)
+    if laid is not None:  # its HybridLinearKVPool wrapper keeps a copy of the size, as the target's does
+        laid.size_mirrors.append(pool)
         return
     raise UnsupportedPoolError(f"the draft runner's KV pool ({type(pool).__name__}) was not built through the "
                                "buffer creators VAMP grows, so it would keep its start-up size while the "

@@ -12,8 +12,12 @@ is. SGLang 0.5.23's `MambaPool` holds `mamba_cache.conv[i]` and `mamba_cache.tem
 - moves cached states out of the tail before a shrink (`compact`): a state the tree holds for a
   prefix, whose node no request has locked, is copied to a free lower slot and the node re-pointed.
 
-Only SGLang's plain layout is laid out (`check_state_pool`): speculative, envelope, ReplaySSM and
-side-state pools keep more per-slot tensors than the two kinds here.
+Only SGLang's plain layout is laid out (`check_state_pool`): envelope, ReplaySSM and side-state pools keep
+more per-slot tensors than the two kinds here. A speculative pool (an MTP draft's verify) adds
+`intermediate_ssm` and `intermediate_conv_window`, the state after each draft token, but one row per running
+request (batch position; `spec_state_size + 1` rows = max running requests + 1, mem_cache/
+kv_cache_configurator.py:1718-1721 and layers/attention/linear/utils.py:125-155), not per slot: growing the
+slots leaves them as they are, which `check_state_pool` confirms from their row count.
 """
 
 from __future__ import annotations
@@ -35,11 +39,23 @@ class UnsupportedStatePoolError(RuntimeError):
     """A state pool VAMP cannot grow; the message says which and the way out."""
 
 
-def check_state_pool(mamba_pool: Any) -> None:
-    """What the launcher cannot see in the flags is refused here, when the pool is built (before serving)."""
+def per_request_rows(cache: Any, requests: int) -> list[str]:
+    """The speculative per-draft-token tensors that are NOT one row per running request (plus a padding row),
+    by name: state VAMP would have to grow with the slots, which it does not."""
+    if not hasattr(cache, "intermediate_ssm"):
+        return []
+    tensors = [("intermediate_ssm", cache.intermediate_ssm),
+               *(("intermediate_conv_window", t) for t in cache.intermediate_conv_window)]
+    return [name for name, t in tensors if t is not None and int(t.shape[1]) != requests + 1]
+
+
+def check_state_pool(mamba_pool: Any, requests: int) -> None:
+    """What the launcher cannot see in the flags is refused here, when the pool is built (before serving);
+    `requests` is the request pool's size (SGLang's max running requests)."""
     cache = mamba_pool.mamba_cache
+    per_slot = per_request_rows(cache, requests)
     problems = [
-        (hasattr(cache, "intermediate_ssm"), "speculative decoding's per-draft state (drop --speculative-algorithm)"),
+        (bool(per_slot), f"per-draft-token state sized by slots, not requests ({', '.join(per_slot)})"),
         (getattr(mamba_pool, "_raw", None) is not None, "the envelope state layout"),
         (any(getattr(cache, f"replayssm_{n}", None) is not None for n in ("d", "k", "g")), "ReplaySSM rings"),
         (bool(mamba_pool._slot_siblings), "side states riding on the slots"),
@@ -165,7 +181,7 @@ def lay_state_pool_over_growable(req_to_token_pool: Any, backend: PageBackend,
     """Re-point SGLang's state tensors at reservations that can hold the whole offload bound's pages,
     built after SGLang's own allocation went back to the driver (the pool starts zeroed, as SGLang's)."""
     mamba_pool = req_to_token_pool.mamba_pool
-    check_state_pool(mamba_pool)
+    check_state_pool(mamba_pool, int(req_to_token_pool.size))
     kinds = [StateKind(tuple(t.shape[2:]), t.dtype) for t in state_tensors(mamba_pool)]
     layers, rows = int(mamba_pool.mamba_cache.temporal.shape[0]), int(mamba_pool.size) + 1
     release_state_tensors(mamba_pool)
