@@ -9,6 +9,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import sglang.srt.environ  # noqa: F401 (sglang_binds_ranks reads it: SGLang's import, once, here)
 import torch
 from test_experts import host_backend
 from test_host_experts import Combine, Dispatch, TopK
@@ -153,6 +154,76 @@ def test_the_host_half_runs_on_its_own_thread_count(paged, monkeypatch):
     trip.add(torch.zeros(8, HIDDEN))
     assert seen == [before + 1] and torch.get_num_threads() == before
     assert 1 <= host_experts_cuda.host_threads() <= len(os.sched_getaffinity(0))
+
+
+def test_only_the_real_rows_cross_are_computed_and_counted(paged):
+    """A CUDA graph replayed at 8 rows for 3 tokens: rows [:3] are snapshotted, copied, computed and
+    counted; the padding rows' cold slots are masked with the rest and their output stays the kernel's."""
+    store, (w13, w2, router) = paged.stores[0], paged.weights[LAYERS[1]]
+    offload([store], store.layout.bound_groups)
+    stats, seen = HostExpertStats(), []
+    trip = HostRoundTrip(LoggedCopies(), stats, real_tokens=lambda: 3)
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(6))
+    gates, ids = routes(router, x)
+    cold = (ids >= store.boundary_expert) & (ids < store.routed_experts)
+    assert int(cold[:3].sum()) > 0 and int(cold[3:].sum()) > 0
+    live_ids, live_gates = ids.clone(), gates.clone()
+    trip.send(store, True, x, live_ids, live_gates)
+    out = kernel_skipping(store, seen)(None, Dispatch(x, TopK(live_gates, live_ids)))
+    kernel_only = out.hidden_states.clone()
+    trip.add(out.hidden_states)
+    assert stats.pairs == int(cold[:3].sum()) and int((seen[0] < 0).sum()) == int(cold.sum())
+    assert torch.allclose(out.hidden_states[:3], moe_with_ids(x[:3], gates[:3], ids[:3], w13, w2), atol=1e-5,
+                          rtol=0)
+    assert torch.equal(out.hidden_states[3:], kernel_only[3:]) and bool(out.hidden_states.isfinite().all())
+    assert bool((trip.buffers.host_x[3:] == 7).all())  # the padding rows never crossed
+    trip.real_tokens = lambda: 100  # a stale count (larger than the rows) is bounded by them
+    trip.send(store, False, x, ids.clone(), gates.clone())
+    trip.add(torch.zeros(8, HIDDEN))
+    assert stats.pairs == int(cold[:3].sum()) + int(cold.sum())
+
+
+def test_engine_gives_the_real_token_count_only_where_rows_past_it_are_padding(paged):
+    for trim, want in ((True, 3), (False, None)):
+        engine = StagingEngine(paged.stores, "sync", trim_padding=trim)
+        engine.begin_forward(3)
+        assert engine.real_tokens() == want
+        engine.close()
+
+
+def fake_topology(root, siblings):
+    """A sysfs CPU tree whose CPU c lists `siblings(c)` as its hyperthread siblings."""
+    for cpu in range(32):
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "core_cpus_list").write_text(siblings(cpu) + "\n")
+
+
+@pytest.mark.parametrize(("allowed", "bound", "want"), [
+    (range(32), "0", 2),  # no binding: 16 physical cores over 8 GPUs, not 32 logical CPUs over 8
+    ([0, 1, 16, 17], "1", 2),  # SGLang bound this rank to 2 cores and their siblings: all of them
+    (range(8), "0", 2),  # 8 cores allowed (a NUMA bind) shared by the ranks: still the rank's share
+    ([3, 19], "0", 1),  # one core and its sibling
+])
+def test_host_threads_count_the_ranks_physical_cores(tmp_path, monkeypatch, allowed, bound, want):
+    from vamp_sglang.integration.staging import host_experts_cuda
+
+    fake_topology(tmp_path, lambda cpu: f"{cpu % 16},{cpu % 16 + 16}")  # 16 cores, 2 threads each
+    monkeypatch.setattr(host_experts_cuda, "SYS_CPU", tmp_path, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("SGLANG_SET_CPU_AFFINITY", bound)
+    assert host_experts_cuda.host_threads(host_experts_cuda.sglang_binds_ranks()) == want
+
+
+def test_physical_cores_count_siblings_once_and_unknown_cpus_alone(tmp_path, monkeypatch):
+    from vamp_sglang.integration.staging import host_experts_cuda
+
+    fake_topology(tmp_path, lambda cpu: f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}")  # 4 threads per core
+    monkeypatch.setattr(host_experts_cuda, "SYS_CPU", tmp_path)
+    assert host_experts_cuda.physical_cores(range(8)) == 2
+    assert host_experts_cuda.physical_cores([0, 1, 40, 41]) == 3  # cpu40/41: no topology, a core each
 
 
 def test_nothing_offloaded_or_nothing_cold_copies_nothing_back(paged):

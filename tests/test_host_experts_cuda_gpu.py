@@ -1,7 +1,9 @@
 """`--vamp-staging host` on CUDA (issue 49) with SGLang's Triton fused MoE as the device kernel: the cold
 slots masked as -1 are skipped by the kernel (the offloaded rows hold NaN, so a read shows), the host
 half crosses through pinned buffers on the side stream, and the sum matches the layer with every expert
-resident, for decode and prefill batch sizes. Not yet run on a GPU."""
+resident, for decode and prefill batch sizes; also with `--enable-fused-moe-sum-all-reduce`, where the
+kernel sums the top-k slots into the [tokens, hidden] output with atomic adds and a block of -1 ids must
+write nothing there (fused_moe_triton_kernels.py:462-477). Not yet run on a GPU."""
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ pytestmark = pytest.mark.gpu
 _KERNELS = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
 
 
-def test_triton_kernel_plus_host_half_is_the_resident_layer(cuda_model):  # noqa: F811 (the fixture)
+@pytest.mark.parametrize("fused_sum", [False, True])
+def test_triton_kernel_plus_host_half_is_the_resident_layer(cuda_model, fused_sum):  # noqa: F811 (fixture)
     import importlib
 
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
@@ -30,7 +33,7 @@ def test_triton_kernel_plus_host_half_is_the_resident_layer(cuda_model):  # noqa
     config = MoeRunnerConfig(num_experts=EXPERTS, num_local_experts=EXPERTS, top_k=TOP_K, inplace=False)
     stats = HostExpertStats()
     trip = HostRoundTrip(CudaCopies(torch.device("cuda", 0), timed=True), stats)
-    with published_topology(tp_size=1):
+    with published_topology(tp_size=1, enable_fused_moe_sum_all_reduce=fused_sum):  # TOP_K 4 > 2: fused
         for tokens in (1, 16, 64, 300):
             x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
             logits = x @ router.T

@@ -154,6 +154,11 @@ class StagingEngine:
     def step_mode(self) -> str:
         return self._step_mode
 
+    def real_tokens(self) -> int | None:
+        """The step's token count where rows past it are padding (`trim_padding`), else None (every row is
+        a token, or the count is unknown): what routed staging trims to, and the host round trip too."""
+        return self._step_tokens if self.trim_padding else None
+
     def host_layer(self, pairs: int, seconds: float) -> None:
         """A host step's layer computed `pairs` cold pairs on the host in `seconds` (issue 49)."""
         self.chooser.observe_host(self._step, self._step_tokens, pairs, seconds)

@@ -9,8 +9,9 @@ VAMP runs decode under; eager forwards take the same breaks as plain calls):
 1. `send` (where whole or routed staging would take its break): on the compute stream, snapshot the
    hidden rows, ids and weights into fixed device buffers, then mask the cold slots in place (id -1, the
    id SGLang's Triton MoE skips: "padding and nonlocal routes both use -1, including without EP",
-   kernels/ops/moe/fused_moe_triton_kernels.py:192; weight 0); record `ready`; on a side stream wait for
-   it and copy the snapshot to pinned host buffers, non_blocking, one event after the copies.
+   kernels/ops/moe/fused_moe_triton_kernels.py:192, the unquantised kernel's -1 branch :462-477; weight
+   0); record `ready`; on a side stream wait for it and copy the snapshot to pinned host buffers,
+   non_blocking, one event after the copies.
 2. The captured segment between the breaks replays the layer's kernel over the masked ids: the resident
    experts run on the device.
 3. `add` (right after the kernel was issued, before anything reads its output): the CPU waits on the D2H
@@ -31,9 +32,21 @@ it also covers that H2D before `out_host` is overwritten. Buffers are allocated 
 grow (powers of two of the token count) only after the side stream went idle.
 
 Never run on a GPU so far (the first lent machine had none of this); eval/gpu_sections/host_experts_graph.py
-runs it in captured segments and times each part. The whole token rows cross (fixed shapes, no host read
-to compact them): T x hidden x 2 bytes, 256 KiB at batch 64 and hidden 2048. Padded graph rows cross and
-are computed too; their output is discarded with the rows.
+runs it in captured segments and times each part. The whole token rows cross (no host read to compact
+them): T x hidden x 2 bytes, 256 KiB at batch 64 and hidden 2048. Only the step's real rows: a graph
+replayed at a larger batch routes its padding rows like tokens under plain TP, so `send` takes the real
+token count from the staging engine (`StagingEngine.real_tokens`, the count routed staging trims to) and
+snapshots, copies, computes and counts rows [:T] only; the padding rows' cold slots are masked with the
+rest, so their (discarded) output is the resident kernel's.
+
+`--enable-fused-moe-sum-all-reduce` (SGLang's Triton MoE then sums the top-k slots with atomic adds into
+the [tokens, hidden] output, fused_moe.py:634-640, 888-891) is safe with the -1 slots: the sort puts
+them in blocks of their own (bucket id + 1 = 0, expert id -1: kernels/jit/csrc/moe/moe_align_kernel.cu:59,
+370), and such a block returns before writing anything when FUSE_SUM_ALL_REDUCE is set
+(kernels/ops/moe/fused_moe_triton_kernels.py:462-477); the slot-indexed zeros it writes otherwise go to
+the [tokens x k] intermediates. The kernel that writes them unconditionally (`fused_moe_kernel_gptq_awq`,
+:186-205) runs only for INT4/INT8 weight-only experts, which refuse the fused sum (:987-989) and which
+`host_refusal` refuses.
 """
 
 from __future__ import annotations
@@ -41,9 +54,10 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +66,7 @@ from vamp_sglang.integration.staging.host_experts import HostExpertStats, cold_o
 from vamp_sglang.memory.experts import ExpertStore
 
 MIN_TOKENS = 16  # the smallest buffer, in token rows
+SYS_CPU = Path("/sys/devices/system/cpu")  # Linux's CPU topology (sysfs)
 
 
 class HostCaptureError(RuntimeError):
@@ -151,17 +166,50 @@ class _Buffers:
     host_weights: torch.Tensor
     host_out: torch.Tensor
 
-    def fits(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
-        return (x.shape[0] <= self.rows and x.shape[1:] == self.device_x.shape[1:]
+    def fits(self, tokens: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+        return (tokens <= self.rows and x.shape[1:] == self.device_x.shape[1:]
                 and ids.shape[1:] == self.device_ids.shape[1:] and x.dtype == self.device_x.dtype
                 and ids.dtype == self.device_ids.dtype and weights.dtype == self.device_weights.dtype)
 
 
-def host_threads() -> int:
-    """Intra-op threads for this rank's host half: the cores it may run on, shared among the node's GPUs
-    (one rank each). SGLang sets 1 thread on GPU servers while loading weights (model_runner.py:1278,
+def physical_cores(cpus: Iterable[int]) -> int:
+    """The physical cores under these logical CPUs: hyperthread siblings share one core's units, so they
+    count once (by each CPU's sibling list in sysfs, `topology/core_cpus_list`, older kernels'
+    `thread_siblings_list`); a CPU whose topology cannot be read counts as a core of its own."""
+    cores = set()
+    for cpu in cpus:
+        topology = SYS_CPU / f"cpu{cpu}" / "topology"
+        for name in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                cores.add((topology / name).read_text().strip())
+                break
+            except OSError:
+                continue
+        else:
+            cores.add(f"cpu{cpu}")
+    return len(cores)
+
+
+def host_threads(ranks_bound: bool = False) -> int:
+    """Intra-op threads for this rank's host half: the physical cores it may run on
+    (`os.sched_getaffinity(0)`, hyperthreads counted once), but no more than its share of the node's
+    physical cores (one rank per GPU) unless `ranks_bound`, since ranks nothing bound apart all run on the
+    same CPUs. SGLang sets 1 thread on GPU servers while loading weights (model_runner.py:1279,
     `torch.set_num_threads(1)`, never raised again), which would run every cold matmul on one core."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, torch.cuda.device_count()))
+    own = max(1, physical_cores(os.sched_getaffinity(0)))
+    if ranks_bound:
+        return own
+    node = physical_cores(range(os.cpu_count() or 1))
+    return max(1, min(own, node // max(1, torch.cuda.device_count())))
+
+
+def sglang_binds_ranks() -> bool:
+    """Whether SGLang bound each rank to physical cores of its own and their siblings
+    (`SGLANG_SET_CPU_AFFINITY`: scheduler.py:6302-6303, `set_gpu_proc_affinity`, utils/common.py:
+    3028-3056), so that the rank's allowed CPUs are all its own (a server only: imports SGLang)."""
+    from sglang.srt.environ import envs
+
+    return envs.SGLANG_SET_CPU_AFFINITY.get()
 
 
 @contextmanager
@@ -189,26 +237,30 @@ def mask_cold_(ids: torch.Tensor, weights: torch.Tensor, boundary: int, routed: 
 class HostRoundTrip:
     """One model's host round trip, shared by its eligible layers (they run one after the other, and a
     layer's `add` always follows its own `send`). `threads`: torch's intra-op threads for the host half
-    (None: the process's)."""
+    (None: the process's). `real_tokens()`: the step's real token count, rows past it being CUDA-graph
+    padding, or None where every row is a token; read at each `send`, since a replayed break gets the
+    capture's arguments."""
 
-    def __init__(self, copies: Copies, stats: HostExpertStats, threads: int | None = None) -> None:
-        self.copies, self.stats, self.threads = copies, stats, threads
+    def __init__(self, copies: Copies, stats: HostExpertStats, threads: int | None = None,
+                 real_tokens: Callable[[], int | None] | None = None) -> None:
+        self.copies, self.stats, self.threads, self.real_tokens = copies, stats, threads, real_tokens
         self.buffers: _Buffers | None = None
         self.host_s = 0.0  # the last layer's CPU time in `cold_output`
         self._pending: tuple[ExpertStore, int, int] | None = None  # (store, boundary, tokens)
 
     def send(self, store: ExpertStore, first_layer: bool, x: torch.Tensor, ids: torch.Tensor,
              weights: torch.Tensor) -> None:
-        """Break 1: snapshot, mask the cold slots for the kernel, start the D2H copies."""
+        """Break 1: snapshot the real rows, mask the cold slots for the kernel, start the D2H copies."""
         self.copies.refuse_capture()
         self.stats.steps += first_layer
         self._pending = None
-        tokens = x.shape[0]
+        real = self.real_tokens() if self.real_tokens is not None else None
+        tokens = x.shape[0] if real is None else min(real, x.shape[0])
         if not store.offloaded_groups or not tokens:
             return
-        buf = self._fit(x, ids, weights)
-        snapshot = [(buf.device_x[:tokens], x), (buf.device_ids[:tokens], ids),
-                    (buf.device_weights[:tokens], weights)]
+        buf = self._fit(tokens, x, ids, weights)
+        snapshot = [(buf.device_x[:tokens], x[:tokens]), (buf.device_ids[:tokens], ids[:tokens]),
+                    (buf.device_weights[:tokens], weights[:tokens])]
         for dst, src in snapshot:
             dst.copy_(src)
         boundary = store.boundary_expert  # live: offloads happen between steps, never inside one
@@ -234,15 +286,15 @@ class HostRoundTrip:
         self.stats.pairs += pairs
         if pairs:
             self.copies.to_device(buf.device_out[:tokens], half)
-            out.add_(buf.device_out[:tokens])
+            out[:tokens].add_(buf.device_out[:tokens])
 
-    def _fit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> _Buffers:
-        """The buffers, replaced by larger ones (the next power of two of the rows) once the side stream
-        is idle, so no copy still reads or writes the old ones."""
-        if self.buffers is not None and self.buffers.fits(x, ids, weights):
+    def _fit(self, tokens: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> _Buffers:
+        """The buffers for `tokens` rows, replaced by larger ones (the next power of two) once the side
+        stream is idle, so no copy still reads or writes the old ones."""
+        if self.buffers is not None and self.buffers.fits(tokens, x, ids, weights):
             return self.buffers
         self.copies.idle()
-        rows = max(MIN_TOKENS, 1 << (x.shape[0] - 1).bit_length())
+        rows = max(MIN_TOKENS, 1 << (tokens - 1).bit_length())
         shapes = [((rows, *x.shape[1:]), x.dtype), ((rows, *ids.shape[1:]), ids.dtype),
                   ((rows, *weights.shape[1:]), weights.dtype), ((rows, *x.shape[1:]), x.dtype)]
         self.buffers = _Buffers(rows, *(self.copies.device_buffer(s, d) for s, d in shapes),

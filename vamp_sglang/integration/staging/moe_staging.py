@@ -72,6 +72,7 @@ from vamp_sglang.integration.staging.host_experts_cuda import (
     HostRoundTrip,
     host_threads,
     run_moe_core_host_cuda,
+    sglang_binds_ranks,
 )
 from vamp_sglang.integration.staging.step_modes import host_step, moe_sees_local_tokens
 from vamp_sglang.memory.backend import PageBackend
@@ -245,8 +246,6 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
         if backend.device.type == "cuda" and not splits_w2_wait([layer], backend.device):  # -1 ids skipped
             raise ExpertConversionError(f"MoE layer {layer.layer_id}: --vamp-staging host on a GPU needs SGLang's "
                                         f"Triton MoE runner, which skips the -1 ids of the host's slots")
-    trip = HostRoundTrip(CudaCopies(backend.device), host, host_threads()) if host is not None and stores and \
-        backend.device.type == "cuda" else None
     copier = None
     if backend.device.type == "cuda" and staging_policy != "whole" and stores:
         from vamp_sglang.integration.staging.routed_gather import GatherCopier
@@ -257,6 +256,10 @@ def convert_experts(model: torch.nn.Module, backend: PageBackend, max_offload_ra
                            staging=staging_policy, top_k=int(layers[0].top_k) - layout.fused_shared_experts,
                            routed_copier=copier, ep_size=int(getattr(layers[0], "moe_ep_size", 1)),
                            host_capable=host_capable, trim_padding=moe_sees_local_tokens())
+    trip = None
+    if host is not None and stores and backend.device.type == "cuda":
+        trip = HostRoundTrip(CudaCopies(backend.device), host, host_threads(sglang_binds_ranks()),
+                             engine.real_tokens)
     residency = None
     if expert_order == "routing" and layout.bound_groups and stores:
         rows = [ExpertRows([s.w13, s.w2], [s.host_w13, s.host_w2], s.routed_experts,
