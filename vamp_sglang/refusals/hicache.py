@@ -7,7 +7,13 @@ write-back), and refuses:
   compaction would have to follow, and its bytes are not in the host-memory budget);
 - HiCache on a hybrid linear-attention model (Qwen3-Next: its state pool has a host pool of its own VAMP does
   not account for);
-- `--page-size` > 1 (compaction moves token rows; HiCache pages would have to move whole).
+- `--page-size` > 1 (compaction moves token rows; HiCache pages would have to move whole);
+- a speculative draft with a KV pool (`--speculative-algorithm` EAGLE, EAGLE3, NEXTN): SGLang 0.5.23 gives the
+  draft's KV a host copy of its own, the MTP layers packed into the target's host pool (PACKED,
+  speculative/base_spec_worker.py:303-329) or the draft pool as a HiCache sidecar with its own host pool
+  (SIDECAR, :336-341, mem_cache/kv_cache_builder.py:122-157). VAMP's host-memory budget and load pricing
+  (integration/cache/hicache_tier.py) read the target's host pool only, and no VAMP run has loaded a
+  prefix back with its draft rows.
 On CPU (any VAMP setting) HiCache runs only through the `direct` io backend, whose copies vamp_sglang/cpu/hicache.py
 answers in torch: `kernel` (SGLang's default) is refused when given, and `direct` is added when not.
 No SGLang import here: the launcher answers in a second.
@@ -28,8 +34,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None)
 
 
-def refused(sg: argparse.Namespace, vamp_on: bool, hybrid: bool) -> str | None:
-    """The refusal, naming the flag, of a HiCache configuration this launcher cannot serve; or None."""
+def refused(sg: argparse.Namespace, vamp_on: bool, hybrid: bool, draft: bool = False) -> str | None:
+    """The refusal, naming the flag, of a HiCache configuration this launcher cannot serve; or None. `draft`:
+    the flags build a speculative draft with a KV pool (the launcher's reading of --speculative-algorithm)."""
     if not getattr(sg, "enable_hierarchical_cache", False):
         return None
     if (sg.device or "cuda") == "cpu" and sg.hicache_io_backend not in (None, DIRECT):
@@ -44,6 +51,10 @@ def refused(sg: argparse.Namespace, vamp_on: bool, hybrid: bool) -> str | None:
         return f"--page-size {sg.page_size} {suffix} (compaction moves token rows: page size 1 only)"
     if hybrid:
         return f"{HICACHE} is not supported with --vamp-max-offload-ratio > 0 on a hybrid linear-attention model"
+    if draft:
+        return (f"{HICACHE} with --speculative-algorithm {sg.speculative_algorithm} is not supported with "
+                f"--vamp-max-offload-ratio > 0 (SGLang gives the draft's KV its own host copy, packed MTP layers or "
+                f"a sidecar host pool, which VAMP's host-memory budget and load pricing do not count); drop one")
     return None
 
 
