@@ -136,11 +136,11 @@ def prepare_model(model: str) -> tuple[Path, tuple[str, ...]]:
     from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 
     if model == "deepseek":
-        from tests.test_speculative_cpu_server import agreeing_draft  # lazy: the agreeing draft's recipe
+        from vamp_sglang.tiny_moe.agreeing_draft import write_agreeing_draft
 
         path = MODELS_DIR / "tiny-deepseek-v3-agree"
         if not (path / "config.json").is_file():
-            agreeing_draft(make_checkpoint(MODELS_DIR / "tiny-deepseek-v3", arch="deepseek_v3"), path)
+            write_agreeing_draft(make_checkpoint(MODELS_DIR / "tiny-deepseek-v3", arch="deepseek_v3"), path)
         return path, ("--speculative-algorithm", "EAGLE")
     from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 

@@ -2,7 +2,7 @@
 CPU: the state pool, the KV pool and the draft's KV pool grow from expert memory under speculation (make
 test-long, lane of the caller's VAMP_SERVER_LOCK).
 
-One server on the tiny Qwen3-Next with a draft built to agree (`agreeing_draft`: most drafts are accepted,
+One server on the tiny Qwen3-Next with a draft built to agree (`write_agreeing_draft`: most drafts are accepted,
 some partly, so the verify's per-draft-token states decide what each linear-attention layer keeps), a state
 pool of STATE_SLOTS slots and a KV pool of POOL_TOKENS while SESSIONS closed-loop sessions run at once (at
 ratio 0.2 the state pool's first shortfalls took the whole bound, 3 groups, and the KV shortfalls evicted;
@@ -28,7 +28,8 @@ from tests.test_qwen3_next_state_pool_server import (
     test_greedy_tokens_equal_the_plain_torch_reference as tokens_equal_the_reference,
 )
 from tests.test_qwen3_next_vamp_server import FIRST_TOKENS, GROWTH_TOKENS, NEW_TOKENS, TURNS, _session
-from tests.test_speculative_cpu_server import CHAIN, agreeing_draft
+from tests.test_speculative_cpu_server import CHAIN
+from vamp_sglang.tiny_moe.agreeing_draft import write_agreeing_draft
 from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 
 pytestmark = [pytest.mark.server, pytest.mark.long]
@@ -41,7 +42,8 @@ assert SESSIONS * (FIRST_TOKENS + (TURNS - 1) * (GROWTH_TOKENS + NEW_TOKENS) + N
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    model = agreeing_draft(make_checkpoint(MODEL, arch="qwen3_next"), tmp_path_factory.mktemp("agree") / "next")
+    model = write_agreeing_draft(make_checkpoint(MODEL, arch="qwen3_next"),
+                                 tmp_path_factory.mktemp("agree") / "next")
     setup = ServerSetup(str(model), max_total_tokens=POOL_TOKENS,
                         extra_flags=("--max-mamba-cache-size", str(STATE_SLOTS)))
     flags = ("--vamp-max-offload-ratio", "0.5", "--speculative-algorithm", "NEXTN", *CHAIN)

@@ -5,10 +5,10 @@
 - the tiny DeepSeek-V3 as written: its MTP layer's weights are random, so almost no draft matches the
   random target; its greedy outputs must equal transformers' for the same checkpoint (which the plain
   server's are, tests/test_deepseek_server.py);
-- the same checkpoint with a draft that agrees (`agreeing_draft`), served with and without EAGLE: most
-  drafts are accepted, some partly, so the accepted-token paths (the verify's later chain positions, the
-  accepted cache locations, the draft extend over accepted tokens) decide the outputs, which must equal
-  the plain server's;
+- the same checkpoint with a draft that agrees (`vamp_sglang.tiny_moe.agreeing_draft`), served with and
+  without EAGLE: most drafts are accepted, some partly, so the accepted-token paths (the verify's later
+  chain positions, the accepted cache locations, the draft extend over accepted tokens) decide the outputs,
+  which must equal the plain server's;
 - the tiny Qwen3-MoE with its EAGLE3 draft (`--eagle3-draft`, random weights), `--speculative-algorithm
   EAGLE3` with the same chain: its greedy outputs must equal transformers'.
 Prompts of several lengths one at a time, batched, and a second turn that reuses a cached prefix. The
@@ -19,16 +19,14 @@ built to agree.
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from eval.servers import Server, ServerConfig, ServerSetup, post_json
 from tests.test_deepseek_server import MODELS, TransformersGreedy, tiny_deepseek
-from vamp_sglang.tiny_moe.checkpoint import MANIFEST, WEIGHTS, make_checkpoint
-from vamp_sglang.tiny_moe.deepseek import MTP_WEIGHTS
+from vamp_sglang.tiny_moe.agreeing_draft import write_agreeing_draft
+from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 
 pytestmark = [pytest.mark.server, pytest.mark.long]
@@ -37,7 +35,6 @@ CHAIN = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4")
 EAGLE = ("--speculative-algorithm", "EAGLE", *CHAIN)
 LENGTHS = (5, 17, 40, 9)
-DOMINANCE = 30.0  # embedding scale against layer outputs of unit RMS (each layer reads RMS-normed input)
 
 
 def prompt_of(rng: random.Random, n: int) -> list[int]:
@@ -65,29 +62,6 @@ def serve_and_collect(model: Path, flags: tuple[str, ...]) -> dict:
             "meta": [s["meta_info"] for s in singles]}
 
 
-def agreeing_draft(source: Path, out: Path) -> Path:
-    """The checkpoint with a draft that predicts what the target will: token embeddings scaled by DOMINANCE
-    make the target's last hidden state about DOMINANCE * embed(current token), a bigram model
-    (next = f(current)); an `eh_proj` of [DOMINANCE * I | 0] hands the MTP layer embed(next token) at the same
-    dominance, so through the shared head it predicts f(next token), the target's following choice. Where
-    the small layer outputs tip an argmax the two differ, and the verify rejects the draft."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    for path in source.iterdir():
-        if path.is_file() and path.name not in (WEIGHTS, MTP_WEIGHTS, MANIFEST):
-            shutil.copy(path, out / path.name)
-    target = load_file(str(source / WEIGHTS))
-    target["model.embed_tokens.weight"] *= DOMINANCE
-    save_file(target, str(out / WEIGHTS), metadata={"format": "pt"})
-    draft = load_file(str(source / MTP_WEIGHTS))
-    (name,) = [n for n in draft if n.endswith(("eh_proj.weight", "mtp.fc.weight"))]  # DeepSeek's, Qwen3-Next's
-    hidden = draft[name].shape[0]
-    draft[name] = torch.cat([DOMINANCE * torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-    save_file(draft, str(out / MTP_WEIGHTS), metadata={"format": "pt"})
-    return out
-
-
 def accept_lengths(run: dict) -> list[float]:
     return [round(m["spec_accept_length"], 3) for m in run["meta"]]
 
@@ -101,7 +75,7 @@ def as_written():
 @pytest.fixture(scope="module")
 def agreeing(tmp_path_factory):
     out = tmp_path_factory.mktemp("agree") / "tiny-deepseek-v3"
-    model = agreeing_draft(tiny_deepseek("deepseek_v3"), out)
+    model = write_agreeing_draft(tiny_deepseek("deepseek_v3"), out)
     return serve_and_collect(model, ()), serve_and_collect(model, EAGLE)
 
 

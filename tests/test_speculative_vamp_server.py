@@ -3,7 +3,7 @@
 `--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4`, float32, one server at a
 time, each model's runs on the same sessions (tests/test_deepseek_vamp_server.py's: SESSIONS closed-loop
 sessions of TURNS turns whose final contexts add up to more than twice POOL_TOKENS):
-- the tiny DeepSeek-V3 with its MTP layer built to agree with the target (`agreeing_draft`), EAGLE: the MLA
+- the tiny DeepSeek-V3 with its MTP layer built to agree with the target (`write_agreeing_draft`), EAGLE: the MLA
   target pool and the MTP layer's latent pool;
 - the tiny Qwen3-MoE with its EAGLE3 draft (random weights), EAGLE3: the MHA pool and the draft head's.
 Checked: VAMP grew the target pool from expert memory and every draft pool to the same size (`/vamp/stats`),
@@ -23,7 +23,8 @@ import pytest
 from eval.servers import Server, ServerConfig, ServerSetup, get_json
 from tests.test_deepseek_server import MODELS, tiny_deepseek
 from tests.test_deepseek_vamp_server import SESSIONS, _session
-from tests.test_speculative_cpu_server import CHAIN, agreeing_draft
+from tests.test_speculative_cpu_server import CHAIN
+from vamp_sglang.tiny_moe.agreeing_draft import write_agreeing_draft
 from vamp_sglang.tiny_moe.checkpoint import make_checkpoint
 from vamp_sglang.tiny_moe.eagle3 import write_eagle3_draft
 
@@ -49,7 +50,7 @@ def _pair(model, name: str, speculation: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    model = agreeing_draft(tiny_deepseek("deepseek_v3"), tmp_path_factory.mktemp("agree") / "tiny-deepseek-v3")
+    model = write_agreeing_draft(tiny_deepseek("deepseek_v3"), tmp_path_factory.mktemp("agree") / "tiny-deepseek-v3")
     return {"model": model} | _pair(model, "deepseek-mtp", ("--speculative-algorithm", "EAGLE"))
 
 

@@ -13,6 +13,7 @@ One module per concern, so that a family or a quantisation is one module of its 
   token mixer, how a tensor is drawn, common config fields) and the hooks a family extends;
 - `tokenizer`: the byte-level BPE and ChatML template every checkpoint carries;
 - `routing`: `--routing-from NPZ`, routers fitted so the checkpoint routes like a real model's trace;
+- `agreeing_draft`: `--agreeing-draft AGREE_DIR`, the checkpoint with an MTP draft that agrees with its target;
 - `qwen3_moe`, `mixtral`, `qwen3_next`, `deepseek` (V2 and V3), `glm4_moe`, `qwen3_5_moe`, `minimax_m2`:
   one `TinyMoeSpec` subclass per family, with the family's own fields, token mixer, expert names and
   transformers config.

@@ -1,7 +1,7 @@
 """A deterministic random-weight MoE checkpoint that SGLang 0.5.23 serves, for tests, CI and the demo.
 
     python -m vamp_sglang.tiny_moe OUT_DIR [--arch ARCH] [--seed N] [--quant fp8]
-        [--eagle3-draft DRAFT_DIR] [--routing-from NPZ] [--wrapper WRAP_DIR]
+        [--eagle3-draft DRAFT_DIR] [--agreeing-draft AGREE_DIR] [--routing-from NPZ] [--wrapper WRAP_DIR]
 
 Prints one line: the arch, parameter count, vocab and the sizes VAMP trades (experts per layer, KV per
 token, and whatever else the family records). A spec that fails its checks is a usage error (exit 2).
@@ -13,6 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
+from vamp_sglang.tiny_moe.agreeing_draft import write_agreeing_draft
 from vamp_sglang.tiny_moe.checkpoint import (
     ARCHS,
     DEFAULT_ARCH,
@@ -53,13 +54,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="fp8: block-quantised FP8 projections, with the bf16 source in OUT_DIR/bf16")
     parser.add_argument("--eagle3-draft", type=Path, default=None, metavar="DRAFT_DIR",
                         help="also write an EAGLE3 draft of the checkpoint there (--arch qwen3_moe)")
+    parser.add_argument("--agreeing-draft", type=Path, default=None, metavar="AGREE_DIR",
+                        help="also write the checkpoint there with an MTP draft that agrees with the target "
+                             "(--arch deepseek_v3 or qwen3_next; agreeing_draft.py)")
     parser.add_argument("--routing-from", type=Path, default=None, metavar="NPZ",
                         help="fit the routers to route like this routing trace (routing-data format; routing.py)")
     parser.add_argument("--wrapper", type=Path, default=None, metavar="WRAP_DIR",
                         help=f"also write the checkpoint there as {WRAPPER_ARCHITECTURE} (--arch qwen3_5_moe)")
     args = parser.parse_args(argv)
     fields = {k: v for k, v in vars(args).items()
-              if k not in ("out_dir", "eagle3_draft", "routing_from", "wrapper") and v is not None}
+              if k not in ("out_dir", "eagle3_draft", "agreeing_draft", "routing_from", "wrapper") and v is not None}
     if args.routing_from is not None and args.routing_from.is_file():
         fields = trace_geometry(args.routing_from) | fields
     if args.quant == "fp8" and args.intermediate is None:
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         out = write_checkpoint(args.out_dir, spec, args.routing_from)
         if args.eagle3_draft is not None:
             write_eagle3_draft(out, args.eagle3_draft)
+        if args.agreeing_draft is not None:
+            write_agreeing_draft(out, args.agreeing_draft)
         if args.wrapper is not None:
             write_wrapper(out, args.wrapper)
     except ValueError as exc:
