@@ -90,6 +90,16 @@ def test_map_rewrites_routed_ids_and_leaves_padding_and_shared_experts():
     assert untouched.tolist() == [[0, 3]] and order.physical_of(1) == [3, 1, 2, 0]
 
 
+def test_the_order_digest_follows_every_layers_rows_and_survives_a_float_gauge():
+    orders = [ExpertOrder(layers=2, routed=4) for _ in range(3)]
+    orders[1].swap(1, 0, 3)
+    orders[2].swap(0, 0, 3)  # the same swap on the other layer
+    digests = [order.digest() for order in orders]
+    assert len(set(digests)) == 3 and all(0 <= d < 2**48 and float(d) == d for d in digests)
+    orders[1].swap(1, 0, 3)  # swapped back: the identity's digest again
+    assert orders[1].digest() == digests[0] == ExpertOrder(layers=2, routed=4).digest()
+
+
 @pytest.fixture
 def layer():
     backend = host_backend()

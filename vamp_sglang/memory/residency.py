@@ -22,6 +22,7 @@ change.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +87,12 @@ class ExpertOrder:
     def permuted(self) -> bool:
         """Whether any layer's rows differ from the identity (ids must then be mapped before every kernel)."""
         return any(at != list(range(self.routed)) for at in self.logical_at)
+
+    def digest(self) -> int:
+        """A 48-bit digest of every layer's physical -> logical rows (exact as a float64 Prometheus gauge):
+        ranks that summed the same counts hold equal ones, which `/metrics` shows per TP rank."""
+        rows = b"".join(expert.to_bytes(4, "little") for at in self.logical_at for expert in at)
+        return int.from_bytes(hashlib.blake2b(rows, digest_size=6).digest(), "little")
 
     def physical_of(self, index: int) -> list[int]:
         """Layer `index`'s logical -> physical map (host side)."""
@@ -266,4 +273,5 @@ class Residency:
         return {"order": "routing", "swaps": self.swaps, "swapped_bytes": self.swapped_bytes,
                 "offloaded_share": round(self.offloaded_share, 4),
                 "offloaded_share_by_index": round(self.offloaded_share_by_index, 4),
-                "offloaded_are_coldest": self.coldest, "layers_without_ids": sorted(self.without_ids)}
+                "offloaded_are_coldest": self.coldest, "layers_without_ids": sorted(self.without_ids),
+                "order_digest": self.order.digest()}

@@ -31,6 +31,8 @@ GAUGES: list[tuple[str, str, tuple[str, ...]]] = [
       for key, what, path in (("steps", "Forwards", "steps"), ("bytes", "Bytes staged", "bytes"),
                               ("copy_seconds", "Staging copy time", "copy_s"),
                               ("wait_seconds", "Time MoE layers waited for staged experts", "wait_s"))],
+    ("vamp:residency_order_digest", "Digest of the expert order (--vamp-expert-order routing), equal on ranks "
+     + "holding the same experts", ("residency", "order_digest")),
     ("vamp:remap_seconds_total", "Time spent remapping pages", ("experts", "remap_s")),
     ("vamp:preemptions_avoided_total", "Decode shortfalls covered without preemption", ("preemptions_avoided",)),
     ("vamp:decision_errors_total", "Shortfalls our decision code failed on (SGLang's eviction covered them)",
