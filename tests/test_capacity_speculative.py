@@ -20,6 +20,7 @@ from vamp_sglang.memory.layout import kv_pages_per_buffer, kv_rows_for_bytes
 
 DEEPSEEK_TP8 = ["--model", "deepseek-v3", "--gpu-mem-gib", "140", "--tp", "8", "--ratios", "0.05,0.1", "--json"]
 QWEN_TP4 = ["--model", "qwen3-235b-a22b", "--gpu-mem-gib", "140", "--tp", "4", "--ratios", "0.1,0.2", "--json"]
+NEXT_TP4 = ["--model", "qwen3-next-80b-a3b", "--gpu-mem-gib", "140", "--tp", "4", "--ratios", "0.1,0.2", "--json"]
 EAGLE3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "qwen3-235b-a22b-eagle3"]
 PAGE = 2 << 20
 
@@ -82,12 +83,68 @@ def test_eagle3_draft_for_qwen3_235b_adds_one_llama_layer_of_the_targets_kv_row(
         assert _gain(spec, key) == pytest.approx(kv_rows_for_bytes(pages * PAGE, 256), abs=1)
 
 
+def test_qwen3_next_mtp_is_one_full_attention_moe_layer_plus_its_per_draft_token_state(capsys):
+    """NEXTN on Qwen3-Next at TP4: the MTP layer is one full-attention layer (SGLang builds it with
+    full_attention_interval 1, models/qwen3_next_mtp.py:66-74), so the cell gains one of the 12 attention layers'
+    KV and two buffers grow with the target's; its MoE layer's 512 routed experts (a quarter of each on this
+    rank) stay resident; and SGLang reserves the per-draft-token state, per_req x (48 running requests + 1) x 4
+    draft tokens, out of the memory left after the weights (mem_cache/kv_cache_configurator.py:3294-3386)."""
+    plain = _run(NEXT_TP4, capsys)
+    spec = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN"], capsys)
+    d, g, config = spec["draft"], spec["geometry"], BUILTIN["qwen3-next-80b-a3b"]
+    cell = plain["geometry"]["kv_bytes_per_token"]
+    assert (d["algorithm"], d["layers"], d["kv_buffers"]) == ("NEXTN", 1, 2)
+    assert d["kv_bytes_per_token"] == cell // 12 and g["kv_bytes_per_token"] == cell + cell // 12
+    assert g["kv_buffers"] == plain["geometry"]["kv_buffers"] + 2
+    geo = geometry_from_config(config, 4, "bfloat16")
+    assert d["expert_bytes_per_gpu"] == geo.expert_bytes_per_layer
+    h, vocab, heads, head = 2048, 151936, 16, 256
+    attention = (2 * heads * head // 4 + 2 * head) * h + h * heads * head // 4  # gated q, one KV head, o
+    shared, router, gate, fc = 3 * 512 // 4 * h, 512 * h, h, 2 * h * h
+    embed_head = 2 * vocab * h // 4  # the draft's own, shared with the target's only after sizing
+    assert d["weight_bytes_per_gpu"] - d["expert_bytes_per_gpu"] == 2 * (attention + shared + router + gate + fc
+                                                                          + embed_head)
+    conv = (32 * 128 + 2 * 16 * 128) // 4 * (4 - 1) * 2  # the window over q, k, v in bfloat16
+    recurrent = 32 // 4 * 128 * 128 * 4  # value heads x value dim x key dim in float32
+    assert d["state_bytes_per_gpu"] == 36 * (conv + recurrent) * (48 + 1) * 4  # 36 Gated DeltaNet layers
+    weights = (g["expert_gib_per_gpu"] + g["dense_weight_gib_per_gpu"]) * GIB + d["weight_bytes_per_gpu"]
+    budget = 140 * GIB * 0.9 - weights - d["state_bytes_per_gpu"]
+    assert spec["baseline"]["kv_pool_tokens"] == pytest.approx(budget / (cell + cell // 12), rel=1e-6)  # GiB rounded
+    for key in ("0.1", "0.2"):  # the same groups free the same pages, now over two more buffers
+        assert spec["ratios"][key]["reclaimed_bytes_per_gpu"] == plain["ratios"][key]["reclaimed_bytes_per_gpu"]
+        groups = spec["ratios"][key]["offloaded_groups"]
+        pages = kv_pages_per_buffer(groups, spec["ratios"][key]["reclaimed_bytes_per_gpu"] // groups // PAGE,
+                                    g["kv_buffers"])
+        assert _gain(spec, key) == pytest.approx(kv_rows_for_bytes(pages * PAGE, cell // 12 // 2), abs=1)
+        assert 0 < _gain(spec, key) <= _gain(plain, key)
+
+
+def test_qwen3_next_eagle_without_a_draft_path_is_its_mtp_layer_and_a_measured_pool_pays_no_state(capsys):
+    """EAGLE without --speculative-draft-model-path is SGLang's NEXTN (the same MTP layer); with the pool SGLang
+    logged (--kv-pool-gib) the state reserve is already out of it, so the measured pool sets the tokens."""
+    nextn = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN"], capsys)
+    eagle = _run([*NEXT_TP4, "--speculative-algorithm", "EAGLE"], capsys)
+    assert eagle["draft"] | {"algorithm": None} == nextn["draft"] | {"algorithm": None}
+    assert eagle["ratios"] == nextn["ratios"]
+    measured = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN", "--kv-pool-gib", "8"], capsys)
+    assert measured["baseline"]["kv_pool_tokens"] == 8 * GIB // nextn["geometry"]["kv_bytes_per_token"]
+
+
+def test_qwen3_next_with_an_eagle3_draft_is_refused_in_the_launchers_words(capsys):
+    from vamp_sglang.refusals.hybrid import message
+
+    err = _refused([*NEXT_TP4, *EAGLE3], capsys)
+    assert message("speculative") in err
+
+
 def test_the_text_table_names_the_draft(capsys):
     from vamp_sglang.capacity.__main__ import main
 
     assert main([*[a for a in DEEPSEEK_TP8 if a != "--json"], "--speculative-algorithm", "EAGLE"]) == 0
     out = capsys.readouterr().out
-    assert "draft (EAGLE): 1 layer" in out and "resident" in out
+    assert "draft (EAGLE): 1 layer" in out and "resident" in out and "state" not in out
+    assert main([*[a for a in NEXT_TP4 if a != "--json"], "--speculative-algorithm", "NEXTN"]) == 0
+    assert "per-draft-token state 3.53 GiB reserved" in capsys.readouterr().out
 
 
 def test_a_draft_config_json_is_read_like_the_builtin(tmp_path, capsys):
@@ -111,8 +168,11 @@ def test_a_draft_config_json_is_read_like_the_builtin(tmp_path, capsys):
     ([*QWEN_TP4, "--speculative-algorithm", "STANDALONE"], "--speculative-algorithm"),
     ([*QWEN_TP4, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "no-such-draft"],
      "--speculative-draft-model-path"),
-    (["--model", "qwen3-next-80b-a3b", "--gpu-mem-gib", "140", "--tp", "4", "--speculative-algorithm", "NEXTN"],
-     "--speculative-algorithm"),
+    ([*NEXT_TP4, "--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),
+    ([*NEXT_TP4, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "qwen3-235b-a22b-eagle3"],
+     "--speculative-draft-model-path"),
+    (["--model", "qwen3.6-35b-a3b", "--gpu-mem-gib", "140", "--tp", "1", "--speculative-algorithm", "NEXTN"],
+     "--speculative-algorithm NEXTN"),
     ([*QWEN_TP4, *EAGLE3, "--hicache-gib", "100"], "--hicache-gib"),
 ])
 def test_a_draft_the_planner_cannot_price_exits_2_naming_the_flag(argv, named, capsys):
@@ -169,6 +229,28 @@ def test_a_gqa_draft_on_an_mla_target_is_refused_as_the_launcher_refuses_it(tmp_
     err = _refused([*QWEN_TP4, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
                     _nextn_checkpoint(tmp_path)], capsys)
     assert "MLA latent of 576" in err and "1 KV heads x 128" in err
+
+
+@pytest.mark.long  # importing SGLang's config module takes about 6 s here
+@pytest.mark.parametrize("attn_tp", [1, 4, 8, 32])
+def test_the_state_bytes_per_request_are_sglangs_mamba_cache_per_req(attn_tp):
+    """The planner's arithmetic against SGLang's own Mamba2StateShape and mamba_cache_per_req for Qwen3-Next
+    (configs/qwen3_next.py:288-313) in its default dtypes, key groups replicated once the ranks outnumber them."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+
+    from vamp_sglang.capacity.draft import _state_bytes_per_request
+
+    config = BUILTIN["qwen3-next-80b-a3b"]
+    key, value = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    shape = Mamba2StateShape.create(
+        tp_world_size=attn_tp, intermediate_size=config["linear_value_head_dim"] * value, n_groups=key,
+        num_heads=value, head_dim=config["linear_value_head_dim"], state_size=config["linear_key_head_dim"],
+        conv_kernel=config["linear_conv_kernel_dim"])
+    layers = [i for i in range(config["num_hidden_layers"]) if (i + 1) % config["full_attention_interval"]]
+    sglang = Mamba2CacheParams(shape=shape, layers=layers,
+                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    assert _state_bytes_per_request(config, len(layers), attn_tp) == sglang.mamba_cache_per_req
 
 
 @pytest.mark.long  # writing the two tiny checkpoints takes about 15 s here

@@ -15,6 +15,18 @@ What the draft is, as SGLang resolves it (model_runner_components/spec_aux_hidde
   draft runs it every step and it is not paged), plus `eh_proj` [H, 2H] (a plain nn.Linear in the model dtype,
   models/deepseek_nextn.py:102) and its own embedding and LM head, held until the draft shares the target's
   after the pool is sized (speculative/eagle_worker_v2.py:258, deepseek_v2.py set_embed_and_head).
+- NEXTN, or EAGLE without a draft path, on Qwen3-Next (hybrid: Gated DeltaNet and full attention): its one MTP
+  layer (SGLang sets num_nextn_predict_layers 1, configs/model_config.py:1134-1136), built as a one-layer
+  Qwen3NextModel with full_attention_interval 1 (models/qwen3_next_mtp.py:57-78): one full-attention layer,
+  whose KV sits in the attention pool's cell and grows with it, and a MoE layer whose routed experts stay
+  resident; `mtp.fc` [H, 2H] (a plain nn.Linear) and its own embedding and head until sizing, as DeepSeek's.
+  Its verify keeps each draft token's linear-attention state (intermediate_ssm, intermediate_conv_window),
+  one row per running request, not per state slot (mem_cache/kv_cache_configurator.py:1718-1721), which
+  SGLang reserves out of the memory left after the weights before it sizes the pools: per_req x
+  (max_running_requests + 1) x draft tokens (kv_cache_configurator.py:3294-3386). The planner counts it
+  (`state_bytes`) at SGLang's defaults with a draft; the state slots themselves, which SGLang sizes from its
+  mamba_full_memory_ratio share, stay out of the estimate as without a draft. Other drafts on a hybrid model
+  are refused in the launcher's words (refusals/hybrid.py).
 - EAGLE or EAGLE3 with a draft path: a Llama draft of `num_hidden_layers` layers (models/llama_eagle.py,
   llama_eagle3.py): an embedding (shared after sizing), `fc` (EAGLE: 2H -> H; EAGLE3: one target hidden
   state per auxiliary layer, three by default, -> H), the layers (EAGLE3's first reads [embedding, hidden]:
@@ -38,11 +50,21 @@ from vamp_sglang.memory.geometry import (
     geometry_from_config,
     kv_heads_per_rank,
 )
+from vamp_sglang.refusals import hybrid as hybrid_refusals
 from vamp_sglang.refusals.speculative import kv_row_mismatch
 
 ALGORITHM = "--speculative-algorithm"
 DRAFT_PATH = "--speculative-draft-model-path"
 ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")  # the draft algorithms VAMP serves (refusals/speculative.py)
+
+# What sizes a hybrid model's per-draft-token state, at SGLang's defaults: max_running_requests with a draft
+# (arg_groups/speculative_hook.py:1086-1094), Qwen3-Next's automatic chain of 3 steps at top-k 1, 4 draft tokens
+# (speculative_hook.py:1161-1174, 1430-1480), and the state dtypes (configs/mamba_utils.py:47-104: the conv
+# window bfloat16 unless SGLANG_MAMBA_CONV_DTYPE, the recurrent state float32 unless the config's mamba_ssm_dtype).
+RUNNING_REQUESTS = 48
+DRAFT_TOKENS = 4
+CONV_STATE_BYTES = 2
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Built-in draft configs, as published. qwen3-235b-a22b-eagle3: the EAGLE3 head SGLang's cookbook serves for
 # Qwen3-235B-A22B (lmsys/Qwen3-235B-A22B-EAGLE3), SpecForge's configs/qwen3-235B-A22B-eagle3.json.
@@ -71,11 +93,13 @@ class DraftPlan:
     weight_bytes: int  # every draft weight on this rank when the pool is sized
     expert_bytes: int  # the part of weight_bytes in routed experts: resident, never offloaded
     source: str  # "mtp" (the target's own layers), a built-in draft name or a config.json path
+    state_bytes: int = 0  # a hybrid model's per-draft-token state, reserved before the pool is sized
 
     def to_json(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "layers": self.layers, "kv_buffers": self.kv_buffers,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "weight_bytes_per_gpu": self.weight_bytes,
-                "expert_bytes_per_gpu": self.expert_bytes, "source": self.source}
+                "expert_bytes_per_gpu": self.expert_bytes, "state_bytes_per_gpu": self.state_bytes,
+                "source": self.source}
 
 
 def check_flags(algorithm: str | None, draft_path: str | None) -> None:
@@ -102,12 +126,12 @@ def load_draft_config(draft_path: str) -> tuple[str, dict[str, Any]]:
 
 
 def draft_plan(algorithm: str, draft_path: str | None, config: Mapping[str, Any], geo: ModelGeometry,
-               dtype: str, attn_tp: int, ep: int) -> DraftPlan:
-    """The draft `algorithm` (and `draft_path`) add to a target of geometry `geo` on one rank."""
+               dtype: str, attn_tp: int, ep: int, dp: int = 1) -> DraftPlan:
+    """The draft `algorithm` (and `draft_path`) add to a target of geometry `geo` on one rank (of `dp` DP
+    attention ranks)."""
     check_flags(algorithm, draft_path)
     if len(geo.kv_layer_ids) != geo.num_layers:
-        raise DraftError(f"{ALGORITHM} {algorithm} on a hybrid model: VAMP refuses speculation there (the state "
-                         "pool's per-draft-token tensors do not grow)")
+        return _hybrid_mtp_plan(algorithm, draft_path, config, geo, dtype, attn_tp, ep, dp)
     if draft_path is None:
         layers = int(config.get("num_nextn_predict_layers") or 0)
         if layers < 1:
@@ -150,6 +174,44 @@ def _mtp_plan(algorithm: str, layer_config: Mapping[str, Any], layers: int, geo:
     weights = experts + layer_bytes + layers * 2 * hidden * hidden * element + embed_head  # eh_proj [H, 2H]
     return DraftPlan(algorithm, layers, layers * geo.kv_buffers_per_layer, _sglang_draft_cell(geo, layers),
                      weights, experts, source)
+
+
+def _hybrid_mtp_plan(algorithm: str, draft_path: str | None, config: Mapping[str, Any], geo: ModelGeometry,
+                     dtype: str, attn_tp: int, ep: int, dp: int) -> DraftPlan:
+    """Qwen3-Next's MTP layer, priced as SGLang builds it: a one-layer model of the target's config with
+    full_attention_interval 1 (its embedding and head are that model's, held until sizing), plus `mtp.fc`;
+    its KV is one of the target's attention layers in the cell (pool_configurator.py:311); and the
+    per-draft-token state its verify keeps for every running request."""
+    if algorithm not in hybrid_refusals.MTP_DRAFTS:
+        raise DraftError(hybrid_refusals.message("speculative"))
+    if config.get("model_type") != "qwen3_next":
+        raise DraftError(f"{ALGORITHM} {algorithm} on a {config.get('model_type')} hybrid model: the planner "
+                         "prices Qwen3-Next's MTP layer only")
+    if draft_path is not None:
+        raise DraftError(f"{DRAFT_PATH} on a hybrid model: the planner prices the model's own MTP layer "
+                         f"({ALGORITHM} NEXTN, or EAGLE without {DRAFT_PATH})")
+    layer = {**config, "num_hidden_layers": 1, "full_attention_interval": 1, "layer_types": ["full_attention"],
+             "tie_word_embeddings": False}
+    experts = geometry_from_config(layer, geo.tp_size, dtype, ep).expert_bytes_per_layer
+    fc = 2 * geo.hidden_size * geo.hidden_size * DTYPE_BYTES[dtype]
+    weights = experts + dense_weight_bytes(layer, geo.tp_size, dtype, attn_tp, ep) + fc
+    rows = max(1, RUNNING_REQUESTS // dp) + 1  # the running requests of this DP rank and a padding row
+    state = _state_bytes_per_request(config, geo.num_layers - len(geo.kv_layer_ids), attn_tp) * rows * DRAFT_TOKENS
+    return DraftPlan(algorithm, 1, geo.kv_buffers_per_layer, _sglang_draft_cell(geo, 1), weights, experts, "mtp",
+                     state)
+
+
+def _state_bytes_per_request(config: Mapping[str, Any], linear_layers: int, attn_tp: int) -> int:
+    """SGLang's mamba_cache_per_req for Gated DeltaNet on one attention-TP rank (configs/qwen3_next.py:288-313,
+    configs/mamba_utils.py:116-127, 193-241): a conv window of (kernel - 1) over q, k and v (key groups
+    replicated up to the ranks when fewer), and a recurrent state of value heads x value dim x key dim."""
+    key_heads, key_dim = config_int(config, "linear_num_key_heads"), config_int(config, "linear_key_head_dim")
+    value_heads, value_dim = config_int(config, "linear_num_value_heads"), config_int(config, "linear_value_head_dim")
+    groups = key_heads if key_heads % attn_tp == 0 else attn_tp
+    conv_dim = value_heads * value_dim + 2 * groups * key_dim
+    conv = conv_dim // attn_tp * (int(config.get("linear_conv_kernel_dim", 4)) - 1) * CONV_STATE_BYTES
+    state = STATE_DTYPE_BYTES.get(str(config.get("mamba_ssm_dtype")), 4)
+    return linear_layers * (conv + value_heads // attn_tp * value_dim * key_dim * state)
 
 
 def _llama_draft_bytes(draft: Mapping[str, Any], target_hidden: int, tp: int, attn_tp: int, element: int,

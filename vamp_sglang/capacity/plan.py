@@ -133,8 +133,8 @@ class CapacityModel:
         expert = geo.expert_bytes_per_layer * len(geo.moe_layer_ids)
         dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp, d.ep)
         draft = None if d.speculative_algorithm is None else draft_plan(
-            d.speculative_algorithm, d.draft_model_path, config, geo, d.dtype, d.attn_tp, d.ep)
-        draft_weights = draft.weight_bytes if draft else 0
+            d.speculative_algorithm, d.draft_model_path, config, geo, d.dtype, d.attn_tp, d.ep, d.dp)
+        draft_weights = (draft.weight_bytes + draft.state_bytes) if draft else 0  # state: reserved like weights
         kv_token = geo.kv_bytes_per_token + (draft.kv_bytes_per_token if draft else 0)
         if d.kv_pool_gib is not None:
             tokens, source = math.floor(d.kv_pool_gib * GIB / kv_token), "measured"

@@ -75,7 +75,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"draft ({dr['algorithm']}): {dr['layers']} layer(s), {dr['kv_bytes_per_token']} KV bytes a token "
                      f"in the cell, {dr['kv_buffers']} more buffers growing with the target's; weights "
                      f"{dr['weight_bytes_per_gpu'] / GIB:.2f} GiB per GPU ({dr['expert_bytes_per_gpu'] / GIB:.2f} "
-                     "GiB routed experts, resident)")
+                     "GiB routed experts, resident)" + (f"; per-draft-token state {dr['state_bytes_per_gpu'] / GIB:.2f} "
+                                                        "GiB reserved" if dr["state_bytes_per_gpu"] else ""))
     if report["ep"] > 1:
         lines.append(f"expert parallelism: EP {report['ep']}, each rank holds {geo['local_experts']} of the "
                      f"{geo['routed_experts']} routed experts, split over tp / ep = {report['tp'] // report['ep']} "
