@@ -125,6 +125,20 @@ def test_the_accept_length_survives_sglangs_flush_cache():
     assert est.observe(40 + 20, 10 + 10) == pytest.approx(0.8 * 3.0 + 0.2 * 2.0)  # 20 tokens over 10 verifies
 
 
+def test_a_flush_the_totals_outgrew_before_the_next_reading_is_dropped_not_priced():
+    """A flush seen only after the new totals passed the old ones mixes the two: (1100, 1000), then 2100
+    tokens over 1010 verifies since the flush, reads as 1000 tokens over 10 verifies (100 a verify). No verify
+    commits more than its draft tokens, so such a window crossed a reset: it restarts, the estimate stays."""
+    from vamp_sglang.policy.costs import AcceptLengthEstimator
+
+    est = AcceptLengthEstimator()
+    assert est.observe(1100, 1000, most_per_verify=4) == pytest.approx(1.1)
+    assert est.observe(2100, 1010, most_per_verify=4) == pytest.approx(1.1)
+    after = 0.8 * 1.1 + 0.2 * 3.0
+    assert est.observe(2100 + 30, 1010 + 10, most_per_verify=4) == pytest.approx(after)
+    assert est.observe(2130 + 40, 1020 + 10, most_per_verify=4) == pytest.approx(0.8 * after + 0.2 * 4.0)
+
+
 def test_a_re_prefill_with_a_draft_also_runs_the_draft_extend():
     """The configured t_prefill (Eqs. 2, 4) is the target's; SGLang's EAGLE worker runs the draft's extend over
     the same tokens in the same prefill batch, so a re-prefill costs (1 + draft layers / target layers) of it."""
@@ -166,7 +180,8 @@ def test_plan_inputs_price_the_draft_extend_until_a_prefill_is_measured():
 def test_plan_inputs_read_the_accept_length_from_sglangs_counters():
     reporter = SimpleNamespace(spec_total_num_accept_tokens=0, spec_total_num_forward_ct=0,
                                spec_num_accept_tokens=0, spec_num_forward_ct=0)
-    spec = SimpleNamespace(metrics_reporter=reporter, spec_algorithm=SimpleNamespace(is_none=lambda: False))
+    spec = SimpleNamespace(metrics_reporter=reporter, spec_algorithm=SimpleNamespace(is_none=lambda: False),
+                           server_args=SimpleNamespace(speculative_num_draft_tokens=4))
     plain = SimpleNamespace(spec_algorithm=SimpleNamespace(is_none=lambda: True))
     inputs = _inputs([1])
     assert inputs.accept_length(plain) == 1.0 and inputs.accept_length(spec) == 1.0

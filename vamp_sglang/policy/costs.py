@@ -240,7 +240,9 @@ class AcceptLengthEstimator:
 
     It reads SGLang's running totals (tokens accepted, verifies). They grow, except that SGLang's
     POST /flush_cache zeroes them (scheduler.py:5528, metrics_reporter.py:708-715 reset_metrics): totals
-    below the last reading restart the window from the new totals, keeping the estimate."""
+    below the last reading restart the window from the new totals, keeping the estimate. A flush whose new
+    totals outgrew the old ones before the next reading shows as a window of more tokens per verify than a
+    verify can commit (its draft tokens, `most_per_verify`): it restarts the window too."""
 
     EMA_WEIGHT = 0.2  # the calibrator's smoothing
 
@@ -249,10 +251,11 @@ class AcceptLengthEstimator:
         self.windows = 0  # windows folded in so far
         self._seen = (0, 0)
 
-    def observe(self, accepted_tokens: int, verifies: int) -> float:
+    def observe(self, accepted_tokens: int, verifies: int, most_per_verify: int | None = None) -> float:
         """Fold in the window since the last reading (totals so far); returns the new estimate."""
         tokens, steps = accepted_tokens - self._seen[0], verifies - self._seen[1]
-        if tokens < 0 or steps < 0:  # SGLang reset its totals: the next window starts here
+        crossed_reset = tokens < 0 or steps < 0 or (most_per_verify is not None and tokens > most_per_verify * steps)
+        if crossed_reset:  # SGLang reset its totals: the next window starts here
             self._seen = (accepted_tokens, verifies)
         elif steps:
             window = max(tokens / steps, 1.0)  # a verify commits at least its bonus token

@@ -150,7 +150,8 @@ class PlanInputs:
             return 1.0
         r = scheduler.metrics_reporter
         return self._accept.observe(int(r.spec_total_num_accept_tokens + r.spec_num_accept_tokens),
-                                    int(r.spec_total_num_forward_ct + r.spec_num_forward_ct))
+                                    int(r.spec_total_num_forward_ct + r.spec_num_forward_ct),
+                                    most_per_verify=scheduler.server_args.speculative_num_draft_tokens)
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every
