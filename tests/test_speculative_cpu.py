@@ -100,6 +100,22 @@ def test_verify_is_a_causal_extend_of_the_chain(setup):
     assert fb.seq_lens.tolist() == PREFIX and fb.extend_seq_lens is None  # the batch comes back unchanged
 
 
+def test_a_verify_chain_attention_does_not_take_runs_torch_natives_extend_with_the_verify_lengths(setup):
+    """A sliding-window layer keeps torch_native's own extend (its window mask), which needs the verify's
+    prefix and extend lengths set as for `chain_attention`: a window wider than every sequence changes
+    nothing, so the outputs equal plain decoding."""
+    s = setup
+    expected = token_by_token(s)
+    s.layer.sliding_window_size = 1000
+    s.pool.k[torch.cat(s.chain)] = 0
+    fb = batch(s, ForwardMode.TARGET_VERIFY, PREFIX, torch.cat(s.chain),
+               spec_info=SimpleNamespace(draft_token_num=CHAIN))
+    q, k, v = (t.reshape(2 * CHAIN, -1) for t in (s.q, s.k, s.v))
+    out = speculative.forward_extend(TorchNativeAttnBackend.forward_extend, TorchNativeAttnBackend(s.runner),
+                                     q, k, v, s.layer, fb)
+    torch.testing.assert_close(out.view(2, CHAIN, -1), expected)
+
+
 def attention_query_rows(monkeypatch) -> list[int]:
     """The query rows of every SDPA call torch_native or the speculative module makes from now on."""
     rows = []

@@ -102,17 +102,19 @@ def create_backend(original, factory: Any, backend_name: str, backend_map: dict,
 def forward_extend(original, backend: Any, q, k, v, layer, forward_batch: Any, save_kv_cache: bool = True):
     """Around torch_native's `forward_extend`: a TARGET_VERIFY batch is a causal extend of its draft tokens
     (num_draft_tokens each) after seq_len cached ones, and it and the draft extend (DRAFT_EXTEND_V2) run
-    `chain_attention`; every other batch is unchanged."""
+    `chain_attention` (torch_native's own extend, with the verify's lengths, where the layer is not plain causal);
+    every other batch is unchanged."""
     mode = forward_batch.forward_mode
-    if not (mode.is_target_verify() or mode.is_draft_extend_v2()) or not _plain_causal(backend, layer, forward_batch):
+    if not (mode.is_target_verify() or mode.is_draft_extend_v2()):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    attend = chain_attention if _plain_causal(backend, layer, forward_batch) else original
     if mode.is_draft_extend_v2():
-        return chain_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        return attend(backend, q, k, v, layer, forward_batch, save_kv_cache)
     seq_lens = forward_batch.seq_lens
     draft_tokens = torch.full_like(seq_lens, forward_batch.spec_info.draft_token_num)
     with lengths(forward_batch, extend_prefix_lens=seq_lens, extend_seq_lens=draft_tokens,
                  seq_lens=seq_lens + draft_tokens):
-        return chain_attention(backend, q, k, v, layer, forward_batch, save_kv_cache)
+        return attend(backend, q, k, v, layer, forward_batch, save_kv_cache)
 
 
 def _plain_causal(backend: Any, layer: Any, forward_batch: Any) -> bool:
