@@ -45,6 +45,27 @@ def test_other_drafts_stay_refused_on_a_hybrid_model_naming_the_flag(tmp_path, a
                                                    "--speculative-eagle-topk", "1"])
 
 
+def test_the_mtp_draft_may_be_named_by_the_models_own_checkpoint(tmp_path):
+    """SGLang turns a Qwen3-Next draft checkpoint into its MTP layer (configs/model_config.py:1134-1136):
+    the target's own path, or another Qwen3-Next checkpoint, is the MTP draft."""
+    flags = _hybrid(tmp_path) + ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"]
+    assert launch_server.prepare(flags + ["--speculative-draft-model-path", str(tmp_path)]).vamp.enabled
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}')
+    assert launch_server.prepare(flags + ["--speculative-draft-model-path", str(other)]).vamp.enabled
+
+
+def test_an_eagle_head_on_a_hybrid_model_is_refused_naming_the_draft_path(tmp_path):
+    """EAGLE with a separate draft (a Llama EAGLE head) is not the MTP draft VAMP serves there."""
+    draft = tmp_path / "eagle"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLMEagle"]}')
+    flags = _hybrid(tmp_path) + ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"]
+    with pytest.raises(ConfigError, match="--speculative-draft-model-path"):
+        launch_server.prepare(flags + ["--speculative-draft-model-path", str(draft)])
+
+
 def _mamba_pool(spec_rows: int | None):
     """A MambaPool as check_state_pool reads it: conv and temporal per slot, and (speculative) the
     per-draft-token tensors with `spec_rows` rows (SGLang's spec_state_size + 1)."""
