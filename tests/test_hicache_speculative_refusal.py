@@ -26,6 +26,14 @@ def test_hicache_with_a_draft_is_refused_with_vamp_on_naming_both_flags(algorith
     assert "host" in message  # the reason: the draft's own host copy
 
 
+def test_a_draft_algorithm_vamp_never_serves_is_refused_for_itself_not_for_hicache():
+    """STANDALONE is refused with VAMP on whatever the cache: the refusal names it, not HiCache."""
+    with pytest.raises(ConfigError) as err:
+        launch_server.prepare(MODEL + HICACHE + VAMP + ["--speculative-algorithm", "STANDALONE"])
+    assert "--speculative-algorithm STANDALONE" in str(err.value)
+    assert "--enable-hierarchical-cache" not in str(err.value)
+
+
 @pytest.mark.parametrize("flags", [
     HICACHE + ["--vamp-max-offload-ratio", "0", "--speculative-algorithm", "EAGLE"],  # stock SGLang
     HICACHE + VAMP + ["--speculative-algorithm", "NGRAM"],  # no draft KV pool

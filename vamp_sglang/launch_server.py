@@ -142,8 +142,9 @@ def check_combinations(vamp: VampConfig, sg: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(vamp.decision_log))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--vamp-decision-log: directory {parent} does not exist or is not writable")
+    served_draft = _turns_on(sg, _SPECULATIVE) and not speculative_refusals.refused_with_vamp(sg.speculative_algorithm)
     if refusal := hicache_refusals.refused(sg, vamp.enabled, hybrid_model.is_hybrid_linear(sg.model_path),
-                                          _turns_on(sg, _SPECULATIVE)):
+                                          served_draft):  # a draft VAMP never serves is refused for itself below
         raise ConfigError(refusal)
     if refusal := speculative_refusals.refused(sg):  # CPU mode's draft chains, with VAMP on or off
         raise ConfigError(refusal)
