@@ -31,7 +31,10 @@ is measured online like the others: a bucket without a host measurement, or whos
 the host while a prefill step, whose many pairs outcost copying their experts, stages them. Under
 `measure_steps` the three modes' measured step times decide as above: the fastest of the modes measured
 within `pair_within_steps` of a switch runs while every mode was measured within `explore_every_steps`;
-then the least recently measured one runs once next to it.
+then the least recently measured one runs once next to it. So in a server today host steps are chosen by
+measured step times alone: on CUDA `auto` does not offer host (its two breaks per layer are laid only under
+`--vamp-staging host`, integration/staging/host_experts_cuda.py, which has not run on a GPU), and the modelled
+host price above decides only where steps are not measured and host is offered, a combination no server runs yet.
 
 A layer whose router hands its MoE kernel no expert ids (SGLang's BYPASSED top-k format: FlashInfer TRT-LLM
 routes from the logits inside its kernel) cannot stage routed: in a routed step it would copy its whole region
