@@ -12,6 +12,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from sglang.srt import runtime_context
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -187,13 +188,13 @@ def test_running_batch_sets_w_and_victims_are_priced_as_retraction_frees_them(ma
     assert snap.retract_buffer_tokens == 20 and snap.free_tokens == 2
 
 
-def test_with_a_draft_the_snapshot_carries_sglangs_accept_length(maker):
+def test_with_a_draft_the_snapshot_carries_sglangs_accept_length(maker, monkeypatch):
     """Issue 46: Eq. 3 spreads a verify step's staging over the tokens it commits, read from SGLang's counters."""
     dm = maker.make()
     maker.scheduler.running_batch.reqs = [request(40)]
     assert dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), 0).offload.accept_length == 1.0
     maker.scheduler.spec_algorithm = SpeculativeAlgorithm.EAGLE
-    maker.scheduler.server_args = SimpleNamespace(speculative_num_draft_tokens=4)
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
     maker.scheduler.metrics_reporter = SimpleNamespace(spec_total_num_accept_tokens=20, spec_total_num_forward_ct=8,
                                                        spec_num_accept_tokens=10, spec_num_forward_ct=2)
     snap = dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), free_tokens=0)

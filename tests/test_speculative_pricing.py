@@ -177,11 +177,20 @@ def test_plan_inputs_price_the_draft_extend_until_a_prefill_is_measured():
     assert _inputs([1], calibrated=2e-4).coefficients().t_prefill_s == 2e-4
 
 
-def test_plan_inputs_read_the_accept_length_from_sglangs_counters():
+@pytest.fixture()
+def resolved_draft_tokens(monkeypatch):
+    """SGLang's resolved speculative settings (runtime_context.get_spec, published in a server process): 4 draft
+    tokens, SGLang's automatic chain, while ServerArgs keeps the raw input (None) when the flag is not given."""
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
+
+
+def test_plan_inputs_read_the_accept_length_from_sglangs_counters(resolved_draft_tokens):
     reporter = SimpleNamespace(spec_total_num_accept_tokens=0, spec_total_num_forward_ct=0,
                                spec_num_accept_tokens=0, spec_num_forward_ct=0)
     spec = SimpleNamespace(metrics_reporter=reporter, spec_algorithm=SimpleNamespace(is_none=lambda: False),
-                           server_args=SimpleNamespace(speculative_num_draft_tokens=4))
+                           server_args=SimpleNamespace(speculative_num_draft_tokens=None))
     plain = SimpleNamespace(spec_algorithm=SimpleNamespace(is_none=lambda: True))
     inputs = _inputs([1])
     assert inputs.accept_length(plain) == 1.0 and inputs.accept_length(spec) == 1.0
@@ -195,4 +204,7 @@ def test_plan_inputs_read_the_accept_length_from_sglangs_counters():
     reporter.spec_total_num_accept_tokens = reporter.spec_total_num_forward_ct = 0
     assert inputs.accept_length(spec) == pytest.approx(3.2)
     reporter.spec_num_accept_tokens, reporter.spec_num_forward_ct = 20, 10
+    assert inputs.accept_length(spec) == pytest.approx(0.8 * 3.2 + 0.2 * 2.0)
+    # a flush the totals outgrew before this reading: 1,000 tokens over 10 verifies is more than 4 a verify
+    reporter.spec_total_num_accept_tokens, reporter.spec_total_num_forward_ct = 1020, 30
     assert inputs.accept_length(spec) == pytest.approx(0.8 * 3.2 + 0.2 * 2.0)

@@ -148,10 +148,14 @@ class PlanInputs:
         a draft or before the first verify."""
         if scheduler.spec_algorithm.is_none():
             return 1.0
+        from sglang.srt.runtime_context import (
+            get_spec,  # resolved: ServerArgs keeps the user's raw input (None)
+        )
+
         r = scheduler.metrics_reporter
         return self._accept.observe(int(r.spec_total_num_accept_tokens + r.spec_num_accept_tokens),
                                     int(r.spec_total_num_forward_ct + r.spec_num_forward_ct),
-                                    most_per_verify=scheduler.server_args.speculative_num_draft_tokens)
+                                    most_per_verify=get_spec().speculative_num_draft_tokens)
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every
