@@ -10,7 +10,9 @@ the device map together, journalled) and the same graph is replayed without a re
   rows under the old ids, so the swap did move what the kernel reads;
 - `replay_close_to_eager` within bf16 tolerance (graph against eager: other kernels may be chosen);
 - `counts_advance_in_replay`: the counts, observed inside the graph, grow at each replay;
-- eager forwards before and after the swap bit for bit (`eager_after_swap_exact`), the map a permutation.
+- eager forwards before and after the swap bit for bit (`eager_after_swap_exact`), the map a permutation;
+- `padding_rows_not_counted`: told a real count of 9 tokens (decode at batch 9 replays the 16-row graph),
+  a replay of the graph captured with every row real counts 9 x k selections, exactly those of rows [:9].
 
 Without a GPU the eager parts run in float32 on host memory (no capture)."""
 
@@ -53,8 +55,11 @@ def check(backend: PageBackend, gpu: bool) -> dict:
     residency = Residency([ExpertRows([w13, w2], [w13[half:].cpu().clone(), w2[half:].cpu().clone()], experts)], dev)
     x = torch.randn(tokens, hidden, device=dev, generator=gen, dtype=dtype)
 
+    def routes() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.topk(torch.softmax(x.float() @ router.float().T, dim=-1), top_k)
+
     def forward(mapped: bool = True) -> torch.Tensor:
-        gates, ids = torch.topk(torch.softmax(x.float() @ router.float().T, dim=-1), top_k)
+        gates, ids = routes()
         if mapped:
             residency.route(0, ids)
         return gathered_moe(x, gates, ids, w13, w2)
@@ -82,8 +87,23 @@ def check(backend: PageBackend, gpu: bool) -> dict:
     result["rollback_restores_the_identity"] = residency.order.physical_of(0) == list(range(experts))
     if gpu:
         result["replay_after_rollback_equals_before"] = torch.equal(_replay(graphs[0]), replay_before[0])
+    real = tokens // 2 + 1
+    logical = routes().indices[:real]
+    step = (lambda: _replay(graphs[0])) if gpu else forward
+    result["padding_rows_not_counted"] = _counts_real_rows_only(residency, step, logical, experts)
     result["ok"] = all(v for v in result.values() if isinstance(v, bool)) and result["swaps"] == experts - half
     return result
+
+
+def _counts_real_rows_only(residency: Residency, step, real_ids: torch.Tensor, experts: int) -> bool:
+    """One step told its real rows (`real_ids`' count) in the rows of the captured batch: the counts
+    hold exactly the real rows' selections, none of the padding's."""
+    residency.counts.reset()
+    residency.counts.set_real_tokens(real_ids.shape[0])
+    step()
+    residency.counts.set_real_tokens(None)
+    expected = torch.bincount(real_ids.reshape(-1).cpu(), minlength=experts).float()
+    return torch.equal(residency.counts.agreed()[0], expected)
 
 
 def _capture(forward, mapped: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -13,6 +13,12 @@ change.
 - `RoutingCounts`: decayed selection counts per eligible layer and logical expert, accumulated on the
   device from the top-k ids VAMP already sees (fixed shapes: graph safe), summed when a transaction reads
   them over the ranks that run it together (one round group: controller/groups.py), so they plan alike.
+  Only the step's real token rows count: a CUDA graph replayed at a larger batch (decode at batch 9
+  replays the batch-16 graph) routes its padding rows like tokens under plain TP, where SGLang keeps no
+  device count of real tokens (its `num_token_non_padded` exists only where
+  `enable_num_token_non_padded()`, forward_batch_info.py:2271-2285, decode_cuda_graph_runner.py:1225-1229),
+  so the counts keep their own device scalar, written before each forward (as SGLang fills its HiSparse
+  `num_real_reqs` before a replay, model_runner.py:1997-2003) and read inside the graph.
 - `ExpertOrder`: the logical -> physical map per layer, a device tensor the MoE path reads in place.
 - `reorder_rows`: inside an offload or restore transaction, swap expert rows (device rows, host copies,
   per-expert resident tensors such as FP8 scales, and the map) so that rows [boundary, routed) hold the
@@ -30,6 +36,7 @@ import torch
 from vamp_sglang.memory.journal import Journal
 
 HALFLIFE_STEPS = 2000.0  # the counts' half-life in observations (forward steps), as the bench's
+EVERY_ROW = torch.iinfo(torch.int64).max  # the real-row bound where every top-k row is a token
 
 
 class RoutingCounts:
@@ -42,12 +49,24 @@ class RoutingCounts:
         self.experts = experts
         self.decay = 0.5 ** (1.0 / halflife_steps)
         self._counts = torch.zeros(layers, experts + 1, dtype=torch.float32, device=device)  # + sentinel
+        self._real_rows = torch.full((), EVERY_ROW, dtype=torch.int64, device=device)
+
+    def set_real_tokens(self, tokens: int | None) -> None:
+        """The coming forward's real token count (None: every row is a token), written in place into the
+        device scalar that captured graphs read: eagerly before the forward, never inside a capture (SGLang
+        captures through the model's forward, not `ModelRunner._forward_raw`, whose hook calls this). On
+        CUDA a fill on the forward's stream, ordered before the replay with no host sync."""
+        self._real_rows.fill_(EVERY_ROW if tokens is None else tokens)
 
     def observe(self, index: int, topk_ids: torch.Tensor) -> None:
-        """Count one step's logical top-k ids of eligible layer `index`; ids outside [0, E) (padding) land
-        on a sentinel column. Device ops of fixed shape only: no host read, safe inside a CUDA graph."""
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        ids = torch.where((ids >= 0) & (ids < self.experts), ids, self.experts)
+        """Count one step's logical top-k ids `[rows, k]` of eligible layer `index`; rows at or past the
+        step's real token count (CUDA-graph padding) and ids outside [0, E) (SGLang's -1 for rows it masks
+        itself, non-local experts) land on a sentinel column. Device ops of fixed shape only, the real-row
+        bound read from the device scalar: no host read, safe inside a CUDA graph."""
+        ids = topk_ids.reshape(topk_ids.shape[0], -1).to(torch.int64)
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        real = (ids >= 0) & (ids < self.experts) & (rows < self._real_rows)
+        ids = torch.where(real, ids, self.experts).reshape(-1)
         row = self._counts[index]
         row.mul_(self.decay)
         row.index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))

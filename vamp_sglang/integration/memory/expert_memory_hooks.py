@@ -27,7 +27,7 @@ from vamp_sglang.integration.memory import draft_pools, kv_pool, state_pool
 from vamp_sglang.integration.memory.expert_memory import ExpertMemory
 from vamp_sglang.integration.memory.kv_pool import GrowablePool
 from vamp_sglang.integration.memory.state_pool import GrowableStatePool
-from vamp_sglang.integration.staging import moe_staging
+from vamp_sglang.integration.staging import expert_order, moe_staging
 from vamp_sglang.integration.staging.moe_staging import ModelExperts
 from vamp_sglang.memory.backend import PageBackend
 from vamp_sglang.memory.backend_choice import select_backend
@@ -109,6 +109,7 @@ def _before_forward_raw(runner: Any, forward_batch: Any = None, *args: Any, **kw
     if _process is not None and not runner.is_draft_worker:
         input_ids = getattr(kwargs.get("forward_batch", forward_batch), "input_ids", None)
         _process.experts.engine.begin_forward(None if input_ids is None else int(input_ids.shape[0]))
+        expert_order.count_real_rows(_process.experts)
 
 
 def _around_run_moe_core(original: Callable, layer: Any, *args: Any, **kwargs: Any) -> Any:

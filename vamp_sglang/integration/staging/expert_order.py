@@ -1,6 +1,6 @@
 """Residency by routing in SGLang's MoE layers (issue 49, `--vamp-expert-order routing`; the order itself:
 memory/residency.py): which per-expert tensors move with a row, which layers cannot be reordered safely,
-and over which ranks the routing counts are summed.
+over which ranks the routing counts are summed, and which top-k rows they count.
 """
 
 from __future__ import annotations
@@ -49,3 +49,14 @@ def routing_group(layer: Any) -> Any:
     parallel = get_parallel()
     group = parallel.attn_tp_group if parallel.attn_dp_enabled else parallel.tp_group
     return group.cpu_group if group.world_size > 1 else None
+
+
+def count_real_rows(experts: Any) -> None:
+    """At forward start, after `StagingEngine.begin_forward` (the hook before `ModelRunner._forward_raw`:
+    eager, ahead of any replay): which top-k rows of `ModelExperts`'s step residency by routing counts. The
+    count runs inside the captured segment, before the staging break, so it cannot slice by a host count as
+    the breaks do; it masks the rows at or past a device scalar written here from the count routed staging
+    trims to (`StagingEngine.real_tokens`: None, every row counted, where `moe_sees_local_tokens` finds
+    that the MoE's rows are not this rank's own tokens, under DP attention or an all-to-all dispatcher)."""
+    if experts.residency is not None:
+        experts.residency.counts.set_real_tokens(experts.engine.real_tokens())

@@ -42,7 +42,7 @@ the break, counts the router's logical ids and rewrites them in place as the phy
 experts (fixed-shape device ops on fixed tensors, so captured segments replay the live order), so the
 staging break and the kernel read physical rows; the Repartitioner swaps rows, host copies and per-expert
 tensors inside each offload or restore, so the offloaded rows hold the least-routed experts (which
-layers may be reordered, and over which ranks counts are summed: expert_order.py).
+layers may be reordered, over which ranks counts are summed, and which rows count: expert_order.py).
 
 Host experts (issue 49, `--vamp-staging host`): no staging; the slots routed to offloaded rows are masked
 for the kernel and computed from the host copies, on the CPU before the kernel (host_experts.py), on CUDA
