@@ -216,7 +216,8 @@ class Residency:
         self._last: tuple | None = None  # the last committed reorder: (swaps, bytes, figures before it)
 
     def route(self, index: int, topk_ids: torch.Tensor | None) -> None:
-        """Count layer `index`'s logical ids and map them to physical rows in place, before its kernel."""
+        """Count layer `index`'s logical ids (the step's real token rows only: `RoutingCounts.observe`)
+        and map every row's ids to physical rows in place, before its kernel."""
         if topk_ids is None:
             if self.order.permuted:
                 raise RuntimeError(f"eligible MoE layer {index} runs without top-k ids while experts are "
