@@ -23,6 +23,10 @@ QWEN_TP4 = ["--model", "qwen3-235b-a22b", "--gpu-mem-gib", "140", "--tp", "4", "
 NEXT_TP4 = ["--model", "qwen3-next-80b-a3b", "--gpu-mem-gib", "140", "--tp", "4", "--ratios", "0.1,0.2", "--json"]
 EAGLE3 = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "qwen3-235b-a22b-eagle3"]
 PAGE = 2 << 20
+# Qwen3-Next-80B's linear-attention state per request at attention-TP 4 (36 Gated DeltaNet layers): a bfloat16
+# conv window of 3 over q, k, v and a float32 recurrent state of 8 value heads x 128 x 128 (checked against
+# SGLang's mamba_cache_per_req in test_the_state_bytes_per_request_are_sglangs_mamba_cache_per_req)
+NEXT_STATE_PER_REQ_TP4 = 36 * ((32 * 128 + 2 * 16 * 128) // 4 * 3 * 2 + 32 // 4 * 128 * 128 * 4)
 
 
 def _gain(report, key):
@@ -87,8 +91,8 @@ def test_qwen3_next_mtp_is_one_full_attention_moe_layer_plus_its_per_draft_token
     """NEXTN on Qwen3-Next at TP4: the MTP layer is one full-attention layer (SGLang builds it with
     full_attention_interval 1, models/qwen3_next_mtp.py:66-74), so the cell gains one of the 12 attention layers'
     KV and two buffers grow with the target's; its MoE layer's 512 routed experts (a quarter of each on this
-    rank) stay resident; and SGLang reserves the per-draft-token state, per_req x (48 running requests + 1) x 4
-    draft tokens, out of the memory left after the weights (mem_cache/kv_cache_configurator.py:3294-3386)."""
+    rank) stay resident; and the per-draft-token state, per_req x (48 running requests + 1) x 4 draft tokens,
+    is reported but not charged to the pool (see the next test)."""
     plain = _run(NEXT_TP4, capsys)
     spec = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN"], capsys)
     d, g, config = spec["draft"], spec["geometry"], BUILTIN["qwen3-next-80b-a3b"]
@@ -104,12 +108,7 @@ def test_qwen3_next_mtp_is_one_full_attention_moe_layer_plus_its_per_draft_token
     embed_head = 2 * vocab * h // 4  # the draft's own, shared with the target's only after sizing
     assert d["weight_bytes_per_gpu"] - d["expert_bytes_per_gpu"] == 2 * (attention + shared + router + gate + fc
                                                                           + embed_head)
-    conv = (32 * 128 + 2 * 16 * 128) // 4 * (4 - 1) * 2  # the window over q, k, v in bfloat16
-    recurrent = 32 // 4 * 128 * 128 * 4  # value heads x value dim x key dim in float32
-    assert d["state_bytes_per_gpu"] == 36 * (conv + recurrent) * (48 + 1) * 4  # 36 Gated DeltaNet layers
-    weights = (g["expert_gib_per_gpu"] + g["dense_weight_gib_per_gpu"]) * GIB + d["weight_bytes_per_gpu"]
-    budget = 140 * GIB * 0.9 - weights - d["state_bytes_per_gpu"]
-    assert spec["baseline"]["kv_pool_tokens"] == pytest.approx(budget / (cell + cell // 12), rel=1e-6)  # GiB rounded
+    assert d["state_bytes_per_gpu"] == NEXT_STATE_PER_REQ_TP4 * (48 + 1) * 4
     for key in ("0.1", "0.2"):  # the same groups free the same pages, now over two more buffers
         assert spec["ratios"][key]["reclaimed_bytes_per_gpu"] == plain["ratios"][key]["reclaimed_bytes_per_gpu"]
         groups = spec["ratios"][key]["offloaded_groups"]
@@ -119,9 +118,55 @@ def test_qwen3_next_mtp_is_one_full_attention_moe_layer_plus_its_per_draft_token
         assert 0 < _gain(spec, key) <= _gain(plain, key)
 
 
+def _sglang_default_kv_bytes(rest, per_req, draft):
+    """SGLang 0.5.23's default hybrid sizing (no --max-mamba-cache-size, radix cache on, no_buffer: 3 state
+    slots a request), written out from mem_cache/kv_cache_configurator.py:3345-3386 and 3404-3409: the state
+    share is rest x 0.9 / 1.9; with a draft it is solved jointly for the slots K and the per-draft-token state
+    of K / 3 requests, then only min(48, K // 3) + 1 requests' rows are taken; the KV pool gets the rest."""
+    share = rest * 0.9 / 1.9
+    if not draft:
+        slots = int((share - per_req) // per_req)
+        return rest - (slots + 1) * per_req, slots
+    slots = int((share - per_req * 5) // (per_req * (1 + 4 / 3)))
+    return rest - per_req * (min(48, slots // 3) + 1) * 4 - (slots + 1) * per_req, slots
+
+
+def test_qwen3_next_mtp_state_comes_out_of_the_state_share_and_the_pool_gains_what_it_leaves(capsys):
+    """Review of 57d0bf5: SGLang does not take the per-draft-token state from the KV pool. Its default sizing
+    solves the state slots and that state together inside the state share, reserving it for K / 3 requests,
+    and allocates it for the 48 running requests only, so the KV pool gets the rest: at TP4 on 140 GiB the
+    slots fall from 2,3xx to under 1,000 and the pool grows. The planner leaves out the slots a server without
+    a draft holds (as without a draft) and counts what the draft changes in the share."""
+    plain = _run(NEXT_TP4, capsys)
+    spec = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN"], capsys)
+    d, g = spec["draft"], spec["geometry"]
+    weights = (g["expert_gib_per_gpu"] + g["dense_weight_gib_per_gpu"]) * GIB + d["weight_bytes_per_gpu"]
+    rest = 140 * GIB * 0.9 - weights
+    kv_plain, slots_plain = _sglang_default_kv_bytes(rest, NEXT_STATE_PER_REQ_TP4, draft=False)
+    kv_draft, slots = _sglang_default_kv_bytes(rest, NEXT_STATE_PER_REQ_TP4, draft=True)
+    assert (d["state_slots_per_gpu"], d["state_slots_without_draft"]) == (slots, slots_plain)
+    assert slots < slots_plain / 2 and slots // 3 >= 48
+    assert d["kv_bytes_from_state_share"] == pytest.approx(kv_draft - kv_plain, abs=GIB // 1000)
+    assert d["kv_bytes_from_state_share"] > d["state_bytes_per_gpu"] > 0  # the pool grows, it is not charged
+    cell = g["kv_bytes_per_token"]
+    assert spec["baseline"]["kv_pool_tokens"] == pytest.approx((rest + kv_draft - kv_plain) / cell, rel=1e-6)
+    assert spec["baseline"]["kv_pool_tokens"] > plain["baseline"]["kv_pool_tokens"]
+
+
+def test_a_state_share_too_small_for_one_slot_with_the_draft_is_refused_naming_the_memory(capsys):
+    """SGLang stops when the joint solve leaves no state slot (kv_cache_configurator.py:3388-3402); the
+    planner says so before anything is sized."""
+    from vamp_sglang.capacity.draft import DraftError, StateSplit
+
+    per_req = NEXT_STATE_PER_REQ_TP4
+    assert StateSplit.solve(rest_bytes=20 * per_req, per_request=per_req, dp=1).slots == 1
+    with pytest.raises(DraftError, match="--gpu-mem-gib"):
+        StateSplit.solve(rest_bytes=10 * per_req, per_request=per_req, dp=1)
+
+
 def test_qwen3_next_eagle_without_a_draft_path_is_its_mtp_layer_and_a_measured_pool_pays_no_state(capsys):
     """EAGLE without --speculative-draft-model-path is SGLang's NEXTN (the same MTP layer); with the pool SGLang
-    logged (--kv-pool-gib) the state reserve is already out of it, so the measured pool sets the tokens."""
+    logged (--kv-pool-gib) the state share is already out of it, so the measured pool sets the tokens."""
     nextn = _run([*NEXT_TP4, "--speculative-algorithm", "NEXTN"], capsys)
     eagle = _run([*NEXT_TP4, "--speculative-algorithm", "EAGLE"], capsys)
     assert eagle["draft"] | {"algorithm": None} == nextn["draft"] | {"algorithm": None}
@@ -144,7 +189,8 @@ def test_the_text_table_names_the_draft(capsys):
     out = capsys.readouterr().out
     assert "draft (EAGLE): 1 layer" in out and "resident" in out and "state" not in out
     assert main([*[a for a in NEXT_TP4 if a != "--json"], "--speculative-algorithm", "NEXTN"]) == 0
-    assert "per-draft-token state 3.53 GiB reserved" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "per-draft-token state 3.53 GiB" in out and "state slots" in out and "KV pool gains" in out
 
 
 def test_a_draft_config_json_is_read_like_the_builtin(tmp_path, capsys):
@@ -251,6 +297,49 @@ def test_the_state_bytes_per_request_are_sglangs_mamba_cache_per_req(attn_tp):
     sglang = Mamba2CacheParams(shape=shape, layers=layers,
                                dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
     assert _state_bytes_per_request(config, len(layers), attn_tp) == sglang.mamba_cache_per_req
+
+
+@pytest.mark.long  # importing SGLang's configurator takes about 10 s here
+@pytest.mark.parametrize("rest_gib, dp", [(87.75, 1), (30.0, 1), (4.0, 1), (60.0, 4)])
+def test_the_state_split_is_sglangs_default_mamba_sizing(rest_gib, dp, monkeypatch):
+    """StateSplit against SGLang's own _handle_max_mamba_cache (kv_cache_configurator.py:3229-3409) and
+    _calculate_mamba_ratio, run on the flags VAMP launches a hybrid model with (radix cache on, no_buffer,
+    no --max-mamba-cache-size, the default --mamba-full-memory-ratio): the slots with and without the draft,
+    and what the KV pool gets, to a byte's rounding of SGLang's GiB floats. 4 GiB: fewer than 48 requests."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import kv_cache_configurator as kvc
+
+    from vamp_sglang.capacity.draft import StateSplit
+
+    per_req = NEXT_STATE_PER_REQ_TP4
+
+    def sglang(draft):
+        schedule = SimpleNamespace(max_mamba_cache_size=None, max_running_requests=48 if draft else None,
+                                   mamba_full_memory_ratio=0.9)
+        monkeypatch.setattr(kvc, "get_schedule", lambda: schedule)
+        monkeypatch.setattr(kvc, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
+        monkeypatch.setattr(kvc, "get_memory", lambda: SimpleNamespace(disable_radix_cache=False,
+                                                                       enable_unified_memory=False))
+        monkeypatch.setattr(kvc, "get_exec", lambda: SimpleNamespace(mamba=SimpleNamespace(
+            enable_linear_replayssm_spec=False, enable_mamba_extra_buffer=False)))
+        monkeypatch.setattr(kvc, "get_disagg", lambda: SimpleNamespace(disaggregation_mode="null"))
+        monkeypatch.setattr(kvc, "get_context", lambda: SimpleNamespace(
+            override=lambda _why, **values: schedule.__dict__.update(values)))
+        params = SimpleNamespace(layers=list(range(36)), mamba_cache_per_req=per_req)
+        fake = SimpleNamespace(
+            mambaish_config=SimpleNamespace(mamba2_cache_params=params), pp_size=1, attn_dp_size=dp,
+            fused_entry_bytes=lambda _name: None, hybrid_gdn_config=object(), hybrid_kda_config=None,
+            extra_mamba_cache_bytes_per_req=0, spec_algorithm=SimpleNamespace(is_none=lambda: not draft))
+        fake._calculate_mamba_ratio = lambda: kvc.KVCacheConfigurator._calculate_mamba_ratio(fake)
+        kv_gib = kvc.KVCacheConfigurator._handle_max_mamba_cache(fake, rest_gib)
+        return kv_gib * GIB, schedule.max_mamba_cache_size
+
+    (kv_plain, slots_plain), (kv_draft, slots) = sglang(False), sglang(True)
+    split = StateSplit.solve(rest_gib * GIB, per_req, dp)
+    assert (split.slots, split.slots_without_draft) == (slots, slots_plain)
+    assert split.kv_gain_bytes == pytest.approx(kv_draft - kv_plain, abs=64)
+    assert rest_gib * GIB - kv_draft - split.reserve_bytes == pytest.approx((slots + 1) * per_req, abs=64)
 
 
 @pytest.mark.long  # writing the two tiny checkpoints takes about 15 s here

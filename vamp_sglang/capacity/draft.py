@@ -21,12 +21,10 @@ What the draft is, as SGLang resolves it (model_runner_components/spec_aux_hidde
   whose KV sits in the attention pool's cell and grows with it, and a MoE layer whose routed experts stay
   resident; `mtp.fc` [H, 2H] (a plain nn.Linear) and its own embedding and head until sizing, as DeepSeek's.
   Its verify keeps each draft token's linear-attention state (intermediate_ssm, intermediate_conv_window),
-  one row per running request, not per state slot (mem_cache/kv_cache_configurator.py:1718-1721), which
-  SGLang reserves out of the memory left after the weights before it sizes the pools: per_req x
-  (max_running_requests + 1) x draft tokens (kv_cache_configurator.py:3294-3386). The planner counts it
-  (`state_bytes`) at SGLang's defaults with a draft; the state slots themselves, which SGLang sizes from its
-  mamba_full_memory_ratio share, stay out of the estimate as without a draft. Other drafts on a hybrid model
-  are refused in the launcher's words (refusals/hybrid.py).
+  one row per running request, not per state slot (mem_cache/kv_cache_configurator.py:1718-1721). On SGLang's
+  default sizing (no --max-mamba-cache-size, as VAMP launches it) that state comes out of the state share, not
+  the KV pool (`StateSplit`), and the pool gains what the share no longer holds. Other drafts on a hybrid
+  model are refused in the launcher's words (refusals/hybrid.py).
 - EAGLE or EAGLE3 with a draft path: a Llama draft of `num_hidden_layers` layers (models/llama_eagle.py,
   llama_eagle3.py): an embedding (shared after sizing), `fc` (EAGLE: 2H -> H; EAGLE3: one target hidden
   state per auxiliary layer, three by default, -> H), the layers (EAGLE3's first reads [embedding, hidden]:
@@ -36,6 +34,7 @@ Arithmetic only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -65,6 +64,12 @@ RUNNING_REQUESTS = 48
 DRAFT_TOKENS = 4
 CONV_STATE_BYTES = 2
 STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# SGLang's default state share, --mamba-full-memory-ratio's fallback (arg_groups/fields/schedule.py:220-227),
+# and the state slots a running request may hold with the radix cache on and the no_buffer strategy VAMP
+# launches with (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO, kv_cache_configurator.py:227, 3062-3088;
+# refusals/hybrid.py vamp_defaults).
+STATE_SHARE = 0.9
+SLOTS_PER_REQUEST = 3
 
 # Built-in draft configs, as published. qwen3-235b-a22b-eagle3: the EAGLE3 head SGLang's cookbook serves for
 # Qwen3-235B-A22B (lmsys/Qwen3-235B-A22B-EAGLE3), SpecForge's configs/qwen3-235B-A22B-eagle3.json.
@@ -83,6 +88,37 @@ class DraftError(ValueError):
 
 
 @dataclass(frozen=True)
+class StateSplit:
+    """How SGLang's default sizing (kv_cache_configurator.py:3345-3386, 3404-3409) splits the memory left
+    after the weights, `rest`, for a hybrid model with a draft. The state share is rest x r / (1 + r) (r = 0.9).
+    Without a draft it holds K0 = share / per_req - 1 slots (and a padding slot). With one, SGLang solves the
+    slots K and the per-draft-token state of K / 3 requests jointly,
+    K = (share - per_req (1 + D)) / (per_req (1 + D / 3)), but allocates that state for
+    min(running requests, K / 3) + 1 only and returns the rest to the KV pool:
+    KV = rest - per_req (running + 1) D - per_req (K + 1). So the draft's state shrinks the slots, not the
+    pool, and the pool gains per_req (K0 - K) - per_req (running + 1) D over a server without a draft."""
+
+    slots: int  # state slots with the draft (SGLang's max_mamba_cache_size)
+    slots_without_draft: int
+    reserve_bytes: int  # the per-draft-token state SGLang allocates
+    kv_gain_bytes: int  # what the KV pool gets over a server without a draft, at the same memory
+
+    @classmethod
+    def solve(cls, rest_bytes: float, per_request: int, dp: int) -> StateSplit:
+        share = rest_bytes * STATE_SHARE / (1 + STATE_SHARE)
+        plain = int((share - per_request) // per_request)
+        slots = int((share - per_request * (1 + DRAFT_TOKENS))
+                    // (per_request * (1 + DRAFT_TOKENS / SLOTS_PER_REQUEST)))
+        if slots <= 0:  # SGLang stops at start (kv_cache_configurator.py:3388-3402)
+            raise DraftError(f"{ALGORITHM} on a hybrid model: {rest_bytes / (1 << 30):.2f} GiB after the "
+                             "weights leaves SGLang's state share no state slot beside the per-draft-token "
+                             "state; raise --gpu-mem-gib or --mem-fraction")
+        running = min(max(1, RUNNING_REQUESTS // dp), slots // SLOTS_PER_REQUEST)
+        reserve = per_request * (running + 1) * DRAFT_TOKENS
+        return cls(slots, plain, reserve, (plain - slots) * per_request - reserve)
+
+
+@dataclass(frozen=True)
 class DraftPlan:
     """One TP rank's share of the draft: what it adds to the pool's cell and buffers, and its weights."""
 
@@ -93,13 +129,25 @@ class DraftPlan:
     weight_bytes: int  # every draft weight on this rank when the pool is sized
     expert_bytes: int  # the part of weight_bytes in routed experts: resident, never offloaded
     source: str  # "mtp" (the target's own layers), a built-in draft name or a config.json path
-    state_bytes: int = 0  # a hybrid model's per-draft-token state, reserved before the pool is sized
+    state_bytes: int = 0  # a hybrid model's per-draft-token state at 48 running requests (StateSplit)
+    state_per_request: int = 0  # a hybrid model's linear-attention state per request (SGLang's per_req)
+    split: StateSplit | None = None  # how SGLang's default sizing fits the state, once the memory is known
+
+    def sized(self, rest_bytes: float, dp: int) -> DraftPlan:
+        """This draft on a start-up budget of `rest_bytes` after the weights: a hybrid model's state split."""
+        if not self.state_per_request:
+            return self
+        split = StateSplit.solve(rest_bytes, self.state_per_request, dp)
+        return dataclasses.replace(self, state_bytes=split.reserve_bytes, split=split)
 
     def to_json(self) -> dict[str, Any]:
+        split = self.split
         return {"algorithm": self.algorithm, "layers": self.layers, "kv_buffers": self.kv_buffers,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "weight_bytes_per_gpu": self.weight_bytes,
                 "expert_bytes_per_gpu": self.expert_bytes, "state_bytes_per_gpu": self.state_bytes,
-                "source": self.source}
+                "state_slots_per_gpu": split.slots if split else None,
+                "state_slots_without_draft": split.slots_without_draft if split else None,
+                "kv_bytes_from_state_share": split.kv_gain_bytes if split else 0, "source": self.source}
 
 
 def check_flags(algorithm: str | None, draft_path: str | None) -> None:
@@ -181,7 +229,8 @@ def _hybrid_mtp_plan(algorithm: str, draft_path: str | None, config: Mapping[str
     """Qwen3-Next's MTP layer, priced as SGLang builds it: a one-layer model of the target's config with
     full_attention_interval 1 (its embedding and head are that model's, held until sizing), plus `mtp.fc`;
     its KV is one of the target's attention layers in the cell (pool_configurator.py:311); and the
-    per-draft-token state its verify keeps for every running request."""
+    per-draft-token state its verify keeps for every running request (split from the state share once the
+    memory after the weights is known, `DraftPlan.sized`)."""
     if algorithm not in hybrid_refusals.MTP_DRAFTS:
         raise DraftError(hybrid_refusals.message("speculative"))
     if config.get("model_type") != "qwen3_next":
@@ -196,9 +245,9 @@ def _hybrid_mtp_plan(algorithm: str, draft_path: str | None, config: Mapping[str
     fc = 2 * geo.hidden_size * geo.hidden_size * DTYPE_BYTES[dtype]
     weights = experts + dense_weight_bytes(layer, geo.tp_size, dtype, attn_tp, ep) + fc
     rows = max(1, RUNNING_REQUESTS // dp) + 1  # the running requests of this DP rank and a padding row
-    state = _state_bytes_per_request(config, geo.num_layers - len(geo.kv_layer_ids), attn_tp) * rows * DRAFT_TOKENS
+    per_request = _state_bytes_per_request(config, geo.num_layers - len(geo.kv_layer_ids), attn_tp)
     return DraftPlan(algorithm, 1, geo.kv_buffers_per_layer, _sglang_draft_cell(geo, 1), weights, experts, "mtp",
-                     state)
+                     per_request * rows * DRAFT_TOKENS, per_request)
 
 
 def _state_bytes_per_request(config: Mapping[str, Any], linear_layers: int, attn_tp: int) -> int:

@@ -134,7 +134,7 @@ class CapacityModel:
         dense = dense_weight_bytes(config, d.tp, d.dtype, d.attn_tp, d.ep)
         draft = None if d.speculative_algorithm is None else draft_plan(
             d.speculative_algorithm, d.draft_model_path, config, geo, d.dtype, d.attn_tp, d.ep, d.dp)
-        draft_weights = (draft.weight_bytes + draft.state_bytes) if draft else 0  # state: reserved like weights
+        draft_weights = draft.weight_bytes if draft else 0
         kv_token = geo.kv_bytes_per_token + (draft.kv_bytes_per_token if draft else 0)
         if d.kv_pool_gib is not None:
             tokens, source = math.floor(d.kv_pool_gib * GIB / kv_token), "measured"
@@ -145,7 +145,11 @@ class CapacityModel:
                 raise CapacityError(
                     f"--gpu-mem-gib {d.gpu_mem_gib} x --mem-fraction {d.mem_fraction} = {budget / GIB:.2f} GiB "
                     f"does not hold the weights ({weights / GIB:.2f} GiB per GPU at --tp {d.tp})")
-            tokens, source = math.floor((budget - weights) / kv_token), "estimate"
+            rest = budget - weights
+            if draft is not None:  # a hybrid model's draft state shrinks SGLang's state share, not the pool
+                draft = draft.sized(rest, d.dp)
+                rest += draft.split.kv_gain_bytes if draft.split else 0
+            tokens, source = math.floor(rest / kv_token), "estimate"
         if d.max_total_tokens is not None and d.max_total_tokens < tokens:
             tokens, source = d.max_total_tokens, "max-total-tokens"
         tokens -= tokens % d.page_size  # SGLang rounds the pool down to whole allocator pages

@@ -75,8 +75,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"draft ({dr['algorithm']}): {dr['layers']} layer(s), {dr['kv_bytes_per_token']} KV bytes a token "
                      f"in the cell, {dr['kv_buffers']} more buffers growing with the target's; weights "
                      f"{dr['weight_bytes_per_gpu'] / GIB:.2f} GiB per GPU ({dr['expert_bytes_per_gpu'] / GIB:.2f} "
-                     "GiB routed experts, resident)" + (f"; per-draft-token state {dr['state_bytes_per_gpu'] / GIB:.2f} "
-                                                        "GiB reserved" if dr["state_bytes_per_gpu"] else ""))
+                     "GiB routed experts, resident)")
+        if dr["state_bytes_per_gpu"]:
+            split = (f": state slots {dr['state_slots_without_draft']} -> {dr['state_slots_per_gpu']}, the KV "
+                     f"pool gains {dr['kv_bytes_from_state_share'] / GIB:.2f} GiB (slots without a draft left out)"
+                     if dr["state_slots_per_gpu"] is not None else " (the measured pool is after it)")
+            lines.append(f"  per-draft-token state {dr['state_bytes_per_gpu'] / GIB:.2f} GiB from SGLang's "
+                         f"state share{split}")
     if report["ep"] > 1:
         lines.append(f"expert parallelism: EP {report['ep']}, each rank holds {geo['local_experts']} of the "
                      f"{geo['routed_experts']} routed experts, split over tp / ep = {report['tp'] // report['ep']} "
