@@ -257,7 +257,7 @@ def test_repartition_transactions_reorder_rows_and_roll_back_whole(system):  # n
 
 
 AGREE_MAIN = """
-import json, sys
+import json, os, sys
 import torch, torch.distributed as dist
 from vamp_sglang.memory.residency import ExpertOrder, ExpertRows, Residency, plan_swaps
 rank, port = int(sys.argv[1]), int(sys.argv[2])
@@ -266,8 +266,9 @@ rows = [ExpertRows([torch.zeros(8, 1)], [torch.zeros(4, 1)], 8)]
 residency = Residency(rows, group=dist.group.WORLD)
 residency.route(0, torch.tensor([[7, 6]] * 3 if rank else [[0, 1], [0, 7]]))  # counts that differ
 counts = residency.agree()
-print(json.dumps([counts.tolist(), plan_swaps(counts[0].tolist(), list(range(8)), 4)]))
-dist.destroy_process_group()
+print(json.dumps([counts.tolist(), plan_swaps(counts[0].tolist(), list(range(8)), 4)]), flush=True)
+dist.barrier()  # both ranks are done with the group; leave without gloo's teardown, which aborted a rank
+os._exit(0)     # ("terminate called without an active exception", rc -6) in make test, as in test_cpu_parallel
 """
 
 
@@ -325,6 +326,8 @@ else:
                           swaps, residency.swaps, time.perf_counter() - start]))
     finally:
         open(done, "w").close()
+sys.stdout.flush()
+os._exit(0)  # without gloo's teardown (see AGREE_MAIN)
 """
 
 
