@@ -194,7 +194,8 @@ def test_with_a_draft_the_snapshot_carries_sglangs_accept_length(maker, monkeypa
     maker.scheduler.running_batch.reqs = [request(40)]
     assert dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), 0).offload.accept_length == 1.0
     maker.scheduler.spec_algorithm = SpeculativeAlgorithm.EAGLE
-    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4,
+                                                                            max_speculative_num_draft_tokens=None))
     maker.scheduler.metrics_reporter = SimpleNamespace(spec_total_num_accept_tokens=20, spec_total_num_forward_ct=8,
                                                        spec_num_accept_tokens=10, spec_num_forward_ct=2)
     snap = dm.snapshot(10, "prefill", None, maker.tree, dm.inputs.coefficients(), free_tokens=0)

@@ -183,7 +183,8 @@ def resolved_draft_tokens(monkeypatch):
     tokens, SGLang's automatic chain, while ServerArgs keeps the raw input (None) when the flag is not given."""
     from sglang.srt import runtime_context
 
-    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4))
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=4,
+                                                                            max_speculative_num_draft_tokens=None))
 
 
 def test_plan_inputs_read_the_accept_length_from_sglangs_counters(resolved_draft_tokens):
@@ -208,3 +209,18 @@ def test_plan_inputs_read_the_accept_length_from_sglangs_counters(resolved_draft
     # a flush the totals outgrew before this reading: 1,000 tokens over 10 verifies is more than 4 a verify
     reporter.spec_total_num_accept_tokens, reporter.spec_total_num_forward_ct = 1020, 30
     assert inputs.accept_length(spec) == pytest.approx(0.8 * 3.2 + 0.2 * 2.0)
+
+
+def test_under_adaptive_speculation_a_window_past_the_current_width_is_priced(monkeypatch):
+    """--speculative-adaptive rewrites the resolved draft-token count to the current width at every switch
+    (eagle_worker_v2.py:1901-1906; narrower as batches grow, adaptive_spec_params.py:28-50), so a window that
+    spans a switch from 4 to 2 commits more a verify than the current width: it is a real window, bounded by
+    the largest width (runtime_context.max_speculative_num_draft_tokens), not a flush to drop."""
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_spec", lambda: SimpleNamespace(speculative_num_draft_tokens=2,
+                                                                            max_speculative_num_draft_tokens=8))
+    reporter = SimpleNamespace(spec_total_num_accept_tokens=0, spec_total_num_forward_ct=0,
+                               spec_num_accept_tokens=32, spec_num_forward_ct=10)
+    spec = SimpleNamespace(metrics_reporter=reporter, spec_algorithm=SimpleNamespace(is_none=lambda: False))
+    assert _inputs([1]).accept_length(spec) == pytest.approx(3.2)

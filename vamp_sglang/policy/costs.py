@@ -242,7 +242,7 @@ class AcceptLengthEstimator:
     POST /flush_cache zeroes them (scheduler.py:5528, metrics_reporter.py:708-715 reset_metrics): totals
     below the last reading restart the window from the new totals, keeping the estimate. A flush whose new
     totals outgrew the old ones before the next reading shows as a window of more tokens per verify than a
-    verify can commit (its draft tokens, `most_per_verify`): it restarts the window too."""
+    verify can commit (its largest draft width, `most_per_verify`): it restarts the window too."""
 
     EMA_WEIGHT = 0.2  # the calibrator's smoothing
 

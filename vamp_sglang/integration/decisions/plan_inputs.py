@@ -145,17 +145,17 @@ class PlanInputs:
     def accept_length(self, scheduler: Any) -> float:
         """Eq. 3's accept length: SGLang's committed tokens per verify (its lifetime totals plus the window its
         metrics reporter has not logged yet), a moving average over the windows between decisions; 1.0 without
-        a draft or before the first verify."""
+        a draft or before the first verify. No verify commits more than the largest draft width SGLang resolved
+        (ServerArgs keeps the raw input, None without the flag; --speculative-adaptive moves the current width
+        below it), so a window above it is a flush the totals outgrew."""
         if scheduler.spec_algorithm.is_none():
             return 1.0
-        from sglang.srt.runtime_context import (
-            get_spec,  # resolved: ServerArgs keeps the user's raw input (None)
-        )
+        from sglang.srt.runtime_context import max_speculative_num_draft_tokens
 
         r = scheduler.metrics_reporter
         return self._accept.observe(int(r.spec_total_num_accept_tokens + r.spec_num_accept_tokens),
                                     int(r.spec_total_num_forward_ct + r.spec_num_forward_ct),
-                                    most_per_verify=get_spec().speculative_num_draft_tokens)
+                                    most_per_verify=max_speculative_num_draft_tokens())
 
     def coefficients(self, may_agree: bool = True) -> Coefficients:
         """Measured where measured; on several ranks the agreed minimum, re-agreed every
