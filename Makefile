@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test,eval,dev]'
 	touch $(STAMP)
 
-# The suite in two halves: `test` under 10 minutes here, `test-long` (the multi-server modules) about 35; CI (.ci/run) runs both.
+# The suite in two halves: `test` under 10 minutes here, `test-long` (the multi-server modules) 53-60; CI (.ci/run) runs both.
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not long" --durations=15
 
